@@ -1,0 +1,92 @@
+"""Pure-jnp ragged paged attention: the CPU path and the oracle every kernel is tested against.
+
+KV layout (one array per layer):  kv_pages: [P, G, 2K, H]
+  P pages of G tokens; along the third axis, index 2k holds K of KV head k and 2k+1 its V, so a
+  tensor-parallel split of that axis keeps each KV head's K and V on the same device.
+Ragged query layout: q[cu_q_lens[s]:cu_q_lens[s+1]] are the queries of sequence s, the last
+  q_len tokens of its KV (kv_lens[s] includes them); they attend causally. Tokens at or past
+  cu_q_lens[num_seqs] are padding: their outputs are finite (zero) and nothing reads them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _token_seq_ids(cu_q_lens, num_seqs, T):
+    """i32[T] sequence id of each token, and bool[T] whether it is a real (non-padding) token."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    S = cu_q_lens.shape[0] - 1
+    # Counting boundaries (rather than searchsorted) stays correct when entries past num_seqs are junk.
+    live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
+    seq = jnp.sum((cu_q_lens[1:][None, :] <= t[:, None]) & live[None, :], axis=1).astype(jnp.int32)
+    valid = t < cu_q_lens[num_seqs[0]]
+    return jnp.minimum(seq, S - 1), valid
+
+
+def ref_write_kv_pages(
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+) -> jax.Array:  # [P, G, 2K, H]
+    """Write this step's K/V of every real token into its page slot; padding tokens write nothing."""
+    P, G, K2, H = kv_pages.shape
+    T = k.shape[0]
+    seq, valid = _token_seq_ids(cu_q_lens, num_seqs, T)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq])
+    page = page_indices[seq, jnp.clip(pos // G, 0, page_indices.shape[1] - 1)]
+    slot = jnp.where(valid, page * G + pos % G, P * G)  # out of range -> dropped by the scatter
+    new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_pages.dtype)
+    flat = kv_pages.reshape(P * G, K2, H).at[slot].set(new, mode="drop")
+    return flat.reshape(P, G, K2, H)
+
+
+def ref_ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, N, H], q.dtype
+    T, N, H = q.shape
+    P, G, K2, _ = kv_pages.shape
+    K = K2 // 2
+    S, P_max = page_indices.shape
+    L = P_max * G
+    t = jnp.arange(T, dtype=jnp.int32)
+    kv_pos = jnp.arange(L, dtype=jnp.int32)
+    qg = q.astype(jnp.float32).reshape(T, K, N // K, H)
+
+    def one_seq(s, out):
+        live = s < num_seqs[0]
+        q_start, q_end, kv_len = cu_q_lens[s], cu_q_lens[s + 1], kv_lens[s]
+        kv = kv_pages[page_indices[s]].reshape(L, K, 2, H).astype(jnp.float32)
+        kv = jnp.where((kv_pos < kv_len)[:, None, None, None], kv, 0.0)  # unused slots may hold NaN
+        in_seq = live & (t >= q_start) & (t < q_end)
+        q_pos = kv_len - (q_end - q_start) + (t - q_start)
+        mask = in_seq[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_len)
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        logits = jnp.einsum("tkgh,lkh->tkgl", qg, kv[:, :, 0]) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("tkgl,lkh->tkgh", p, kv[:, :, 1]) / jnp.where(denom > 0, denom, 1.0)
+        return jnp.where(in_seq[:, None, None, None], o, out)
+
+    out = jax.lax.fori_loop(0, S, one_seq, jnp.zeros((T, K, N // K, H), jnp.float32))
+    return out.reshape(T, N, H).astype(q.dtype)
