@@ -1,0 +1,183 @@
+"""One Flax NNX decoder for Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3.
+
+Differences between the families are flags on ModelConfig: GQA/MQA/MHA via num_kv_heads, head_dim
+independent of D/N, RoPE scaling (llama3, linear), QKV bias (Qwen2), per-head QK RMSNorm (Qwen3),
+sliding-window attention (Mistral), tied embeddings. RoPE is the half-split ("rotate_half") form HF
+checkpoints use; loaders of interleaved-RoPE formats (GGUF, llama2.c) permute q/k weights to it.
+
+Parameters carry logical axis names only (metadata `logical_axes`); sharding/rules.py maps them to
+mesh axes. Layers are a Python list of modules with their own arrays rather than a scan over stacked
+weights: on GPU, dynamic slicing of stacked weights cost 2.2x in decode (../shared/JAX_NOTES.md).
+
+Seam (ARCHITECTURE.md): forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import AttentionMetadata
+from models.config import ModelConfig, rope_inv_freq
+from pallas_kernels import dispatch
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
+    init = init or nnx.initializers.normal(0.02)
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis_name: str, *, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = _param(rngs, (dim,), (axis_name,), param_dtype, nnx.initializers.ones)
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, dtype, param_dtype, rngs: nnx.Rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.kv_repeat, self.dtype = cfg, kv_repeat, dtype
+        self.q_proj = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), param_dtype)
+        self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_proj = _param(rngs, (N, H, D), ("q_heads", "head_dim", "embed"), param_dtype)
+        if cfg.attention_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = _param(rngs, (N, H), ("q_heads", "head_dim"), param_dtype, zeros)
+            self.k_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, zeros)
+            self.v_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, zeros)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
+            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata):
+        # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]
+        cfg, dt = self.cfg, self.dtype
+        q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_repeat > 1:  # KV heads fewer than the tensor axis: store each head kv_repeat times
+            k = jnp.repeat(k, self.kv_repeat, axis=1)
+            v = jnp.repeat(v, self.kv_repeat, axis=1)
+        kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta)
+        o = dispatch.ragged_paged_attention(
+            q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window
+        )
+        return jnp.einsum("tnh,nhd->td", o, self.o_proj[...].astype(dt)), kv_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+        self.gate_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x):  # [T, D]
+        dt = self.dtype
+        g = x @ self.gate_proj[...].astype(dt)
+        u = x @ self.up_proj[...].astype(dt)
+        return (jax.nn.silu(g) * u) @ self.down_proj[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, dtype, param_dtype, rngs: nnx.Rngs):
+        eps = cfg.rms_norm_eps
+        self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, kv_repeat=kv_repeat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_pages, meta):
+        a, kv_pages = self.attn(self.input_norm(x), cos, sin, kv_pages, meta)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), kv_pages
+
+
+class LlamaModel(nnx.Module):
+    """Decoder over a ragged token batch. `dtype` is the compute dtype, `param_dtype` the storage."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
+                 kv_repeat: int = 1):
+        param_dtype = param_dtype or dtype
+        self.cfg, self.dtype, self.kv_repeat = cfg, dtype, kv_repeat
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+        self.layers = nnx.List(
+            DecoderLayer(cfg, kv_repeat=kv_repeat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            for _ in range(cfg.num_layers)
+        )
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_pages: tuple[jax.Array, ...],  # L x [P, G, 2K', H]
+        meta: AttentionMetadata,
+        logits_indices: jax.Array | None = None,  # i32[R]: rows to compute logits for (default: all)
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # f32[T or R, V], kv_pages
+        if len(kv_pages) != self.cfg.num_layers:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers; the model has {self.cfg.num_layers}")
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(self.cfg))[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        new_pages = []
+        for layer, pages in zip(self.layers, kv_pages):
+            x, pages = layer(x, cos, sin, pages, meta)
+            new_pages.append(pages)
+        if logits_indices is not None:
+            x = jnp.take(x, logits_indices, axis=0)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.einsum("td,dv->tv", x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+        return logits, tuple(new_pages)
+
+
+def apply_rope(x, cos, sin):
+    """Half-split RoPE. x: [T, heads, H]; cos, sin: f32[T, H/2]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def make_forward(graphdef: nnx.GraphDef) -> Callable:
+    """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages)."""
+
+    def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None):
+        return nnx.merge(graphdef, params)(tokens, positions, kv_pages, attn_meta, logits_indices)
+
+    return forward
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1) -> LlamaModel:
+    """The model with ShapeDtypeStruct leaves: shapes for loaders, no memory allocated."""
+    return nnx.eval_shape(
+        lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat)
+    )
+
+
+def param_logical_axes(state: nnx.State) -> dict:
+    """Map each Param path (tuple) to its logical axis names (None for non-sharded variables)."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        out[tuple(path)] = var.get_metadata().get("logical_axes") if isinstance(var, nnx.Param) else None
+    return out
+

@@ -1,0 +1,227 @@
+"""Load a model onto a mesh from any supported checkpoint, save and restore Orbax, convert.
+
+Sources: a HF safetensors directory, a GGUF file, a llama2.c `.bin`, an xlaserve Orbax checkpoint
+directory, or a preset name (`llama3_8b`, or explicitly `dummy:llama3_8b`) for random weights.
+Every parameter is created or loaded straight into its target sharding: tensor by tensor, host
+memory holds at most one tensor (plus the file's mmap), never a full replica of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from functools import cached_property, partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
+from models.llama import LlamaModel, abstract_model, make_forward
+from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
+from sharding.mesh import MeshConfig
+from sharding.rules import kv_repeat, state_shardings
+
+ORBAX_CONFIG = "xlaserve_config.json"
+ORBAX_STATE = "state"
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model's config, structure and sharded params, with the mesh they live on."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    mesh: jax.sharding.Mesh
+    dtype: jnp.dtype
+    source: str
+    tokenizer_path: Path | None = None
+
+    @cached_property
+    def kv_repeat(self) -> int:
+        return kv_repeat(self.config, self.mesh)
+
+    @cached_property
+    def forward(self):
+        """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None)."""
+        return make_forward(self.graphdef)
+
+
+def resolve_dtype(dtype, checkpoint_dtype) -> jnp.dtype:
+    """`auto` is the checkpoint's own float dtype; dequantized or other formats load as float32."""
+    if dtype in (None, "auto"):
+        dt = jnp.dtype(checkpoint_dtype)
+        return dt if dt in (jnp.dtype(d) for d in _DTYPES.values()) else jnp.dtype(jnp.float32)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
+        return jnp.dtype(_DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+def open_tensor_source(path: str | Path) -> TensorSource:
+    """The format reader for a checkpoint path (directory, .gguf or llama2.c .bin)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {p} does not exist")
+    if p.is_dir():
+        from runtime.formats.safetensors import SafetensorsSource
+
+        return SafetensorsSource(p)
+    if p.suffix == ".gguf":
+        from runtime.formats.gguf import GGUFSource
+
+        return GGUFSource(p)
+    if p.suffix == ".bin":
+        from runtime.formats.llama2c import Llama2cSource
+
+        return Llama2cSource(p)
+    raise CheckpointError(f"{p}: unknown checkpoint format (expected a directory, .gguf or llama2.c .bin)")
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / ORBAX_CONFIG).is_file()
+
+
+def load_model(
+    model: str | Path,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype="auto",
+    seed: int = 0,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load `model` (path or preset) directly into its sharding on `mesh` (default: one device)."""
+    mesh = mesh if mesh is not None else MeshConfig().make_mesh()
+    name = str(model)
+    if name.startswith("dummy:") or (name in PRESETS and not Path(name).exists()):
+        cfg = get_preset(name.removeprefix("dummy:"))
+        return init_dummy(cfg, mesh=mesh, dtype=resolve_dtype(dtype, jnp.bfloat16), seed=seed)
+    if is_orbax_checkpoint(name):
+        return restore_orbax(name, mesh=mesh, dtype=dtype)
+    source = open_tensor_source(name)
+    return load_from_source(source, mesh=mesh, dtype=resolve_dtype(dtype, source.dtype), progress=progress)
+
+
+def _model_parts(cfg: ModelConfig, mesh, dtype):
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh)))
+    return graphdef, abs_state, state_shardings(abs_state, mesh, cfg)
+
+
+def init_dummy(cfg: ModelConfig, *, mesh: jax.sharding.Mesh, dtype=jnp.bfloat16, seed: int = 0) -> LoadedModel:
+    """Random weights for any preset, created on device in their target sharding (one jit)."""
+    dtype = jnp.dtype(dtype)
+    graphdef, _, shardings = _model_parts(cfg, mesh, dtype)
+    rep = kv_repeat(cfg, mesh)
+    make = jax.jit(
+        lambda: nnx.state(LlamaModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype, kv_repeat=rep)),
+        out_shardings=shardings,
+    )
+    return LoadedModel(cfg, graphdef, make(), mesh, dtype, f"dummy:{cfg.name}")
+
+
+def load_from_source(source: TensorSource, *, mesh: jax.sharding.Mesh, dtype, progress: bool = True) -> LoadedModel:
+    cfg = source.config
+    dtype = jnp.dtype(dtype)
+    graphdef, abs_state, shardings = _model_parts(cfg, mesh, dtype)
+    plan = hf_tensor_plan(cfg)
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    leaves = {}
+    bar = tqdm(total=len(plan), desc=f"loading {source.path.name}", unit="tensor", disable=not progress)
+    for path, var in nnx.to_flat_state(abs_state):
+        tp = plan.get(tuple(path))
+        if tp is None:
+            raise CheckpointError(f"internal: model parameter {'/'.join(map(str, path))} has no checkpoint mapping")
+        arr = source.get(tp.hf_name)
+        if tuple(arr.shape) != tp.hf_shape:
+            raise CheckpointError(
+                f"{source.path}: tensor {tp.hf_name!r} has shape {tuple(arr.shape)}; model config "
+                f"{cfg.name!r} expects {tp.hf_shape}"
+            )
+        host = np.asarray(tp.to_param(arr)).astype(dtype)
+        sharding = flat_shardings[path].value
+        leaves[tuple(path)] = var.replace(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
+        del host, arr
+        bar.update(1)
+    bar.close()
+    params = nnx.from_flat_state(leaves)
+    return LoadedModel(cfg, graphdef, params, mesh, dtype, str(source.path), source.tokenizer_path())
+
+
+# ---------------------------------------------------------------------------------------------- Orbax
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelConfig(**d)
+
+
+def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
+    """Write params (Orbax), config and tokenizer to `dst`; restorable onto any mesh."""
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).absolute()
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; refusing to overwrite")
+    dst.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(dst / ORBAX_STATE, loaded.params)
+    meta = {"config": _config_to_json(loaded.config), "dtype": jnp.dtype(loaded.dtype).name, "source": loaded.source}
+    tok = loaded.tokenizer_path
+    if tok is not None:
+        if Path(tok).is_dir():
+            tdir = dst / "tokenizer"
+            tdir.mkdir()
+            for f in Path(tok).iterdir():
+                if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json",)):
+                    shutil.copy2(f, tdir / f.name)
+            meta["tokenizer"] = "tokenizer"
+        else:  # a GGUF or llama2.c tokenizer file: referenced, not copied (GGUF files are large)
+            meta["tokenizer"] = str(Path(tok).absolute())
+    (dst / ORBAX_CONFIG).write_text(json.dumps(meta, indent=2))
+    return dst
+
+
+def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") -> LoadedModel:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    try:
+        meta = json.loads((path / ORBAX_CONFIG).read_text())
+        cfg = _config_from_json(meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / ORBAX_CONFIG}: not an xlaserve checkpoint config ({e})") from None
+    saved = jnp.dtype(meta.get("dtype", "float32"))
+    dtype = saved if dtype in (None, "auto") else resolve_dtype(dtype, saved)
+    graphdef, abs_state, shardings = _model_parts(cfg, mesh, saved)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings
+    )
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(path / ORBAX_STATE, target)
+    if dtype != saved:
+        graphdef, _, shardings = _model_parts(cfg, mesh, dtype)
+        params = jax.jit(partial(jax.tree.map, lambda x: x.astype(dtype)), out_shardings=shardings)(params)
+    tok = meta.get("tokenizer")
+    tok_path = None if tok is None else (path / tok if not Path(tok).is_absolute() else Path(tok))
+    return LoadedModel(cfg, graphdef, params, mesh, dtype, str(path), tok_path)
+
+
+def convert(src: str | Path, dst: str | Path, *, dtype="auto", progress: bool = True) -> Path:
+    """`xlaserve convert SRC DST`: any supported source -> an Orbax checkpoint."""
+    loaded = load_model(src, dtype=dtype, progress=progress)
+    return save_orbax(loaded, dst)

@@ -1,0 +1,120 @@
+"""HF safetensors directories (one `model.safetensors` or a sharded `*.index.json`), read by mmap.
+
+The header is parsed here rather than through `safetensors.safe_open` so that a truncated or corrupt
+file is reported with the file, the tensor and the byte counts, and so bf16 maps straight to numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from models.config import ModelConfig
+from runtime.formats.base import CheckpointError
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+class _File:
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        if size < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (needs an 8-byte header length)")
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not safetensors")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+        header.pop("__metadata__", None)
+        self.header, self.data_start = header, 8 + n
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        if self.data_start + end > size:
+            worst = max(header, key=lambda k: header[k]["data_offsets"][1])
+            raise CheckpointError(
+                f"{path}: truncated: tensor {worst!r} ends at byte {self.data_start + end} but the file has {size} bytes"
+            )
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if size > self.data_start else None
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        expect = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if end - start != expect:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} spans {end - start} bytes; shape {shape} of {info['dtype']} needs {expect}"
+            )
+        if expect == 0:
+            return np.zeros(shape, dtype)
+        raw = self._mm[self.data_start + start : self.data_start + end]
+        return raw.view(dtype).reshape(shape)
+
+    def dtype_of(self, name: str):
+        return np.dtype(_DTYPES.get(self.header[name]["dtype"], np.float32))
+
+
+class SafetensorsSource:
+    """Tensors of a HF checkpoint directory, by HF name, in HF layout."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json; a HF checkpoint directory needs one")
+        try:
+            hf_cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.config = ModelConfig.from_hf_config(hf_cfg, name=self.path.name)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            files = {f: _File(self._need(self.path / f, index)) for f in sorted(set(weight_map.values()))}
+            self._where = {name: files[f] for name, f in weight_map.items()}
+        else:
+            single = self.path / "model.safetensors"
+            if not single.is_file():
+                found = sorted(p.name for p in self.path.glob("*.safetensors"))
+                if not found:
+                    raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+                files = [_File(self.path / f) for f in found]
+            else:
+                files = [_File(single)]
+            self._where = {name: f for f in files for name in f.header}
+        self.dtype = next((f.dtype_of(n) for n, f in self._where.items() if n.endswith("_proj.weight")), np.dtype(np.float32))
+
+    @staticmethod
+    def _need(p: Path, index: Path) -> Path:
+        if not p.is_file():
+            raise CheckpointError(f"{index} names shard {p.name}, which is missing")
+        return p
+
+    def keys(self):
+        return self._where.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        return f.get(name)
+
+    def tokenizer_path(self) -> Path | None:
+        return self.path if any((self.path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")) else None
