@@ -1,0 +1,201 @@
+"""Per-request inputs (SamplingParams) and the scheduler's per-request state (Request).
+
+Pure Python, no JAX: the scheduler and the servers' validation both import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+# Finish reasons, as the OpenAI API spells them.
+FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens (or max_model_len) reached
+FINISH_ABORT = "abort"  # cancelled by the client or the engine
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated on construction; the engine samples inside the step.
+
+    top_k 0 (or -1) and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy.
+    max_tokens None means "until max_model_len". logprobs None returns none; an int asks for the
+    sampled token's logprob plus that many top alternatives (the engine enforces its own cap).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Copies, so that a caller mutating its list cannot change a submitted request.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", [_token_id(t, "stop_token_ids") for t in self.stop_token_ids])
+        if self.top_k == -1:  # the vLLM / HF spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            fail(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            fail(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            fail(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            fail(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+        ):
+            fail(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                fail(f"stop strings must be non-empty strings, got {s!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+                fail(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+            if self.min_tokens > self.max_tokens:
+                fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            fail(f"n must be an int >= 1, got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again for recompute
+    RUNNING = "running"  # holds a slot; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence's state as the scheduler sees it. The scheduler owns and mutates it.
+
+    token_ids is the prompt followed by the generated tokens. num_computed_tokens of them have
+    their K/V in `pages` (page i holds positions [i*G, (i+1)*G)); the last sampled token is never
+    computed until the next step feeds it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # sampling_params.max_tokens resolved against max_model_len
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs earlier; ties are first come, first served
+    cache_salt: str | None = None  # requests with different salts never share cached pages
+    arrival: int = 0  # admission order key, assigned by the scheduler
+    fork_index: int = 0  # 0 for a submitted request; i for the i-th child forked from it
+    parent_id: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages of token_ids
+    slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+
+    # Scheduler bookkeeping.
+    prefill_target: int = 0  # tokens to compute before decoding; set at each admission
+    num_registered_pages: int = 0  # pages [0, this) are offered to the prefix cache already
+    inflight: tuple[int, int] = (0, 0)  # page index range whose hashes are marked as being computed
+    admitted_once: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def order_key(self) -> tuple[int, int, int]:
+        return (self.priority, self.arrival, self.fork_index)
+
+    def check_stop_token(self, token_id: int) -> tuple[str, int | str | None] | None:
+        """The finish reason after `token_id` was appended, or None to keep going."""
+        p = self.sampling_params
+        if self.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return FINISH_STOP, None
+            if token_id in p.stop_token_ids:
+                return FINISH_STOP, token_id
+        if self.num_output_tokens >= self.max_tokens:
+            return FINISH_LENGTH, None
+        return None
+
+
+def _token_id(t, what: str) -> int:
+    # operator.index accepts numpy integers (tokenizers return them) and refuses floats and bools.
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        v = operator.index(t)
+    except TypeError:
+        raise ValueError(f"{what} must be ints >= 0, got {t!r}") from None
+    if v < 0:
+        raise ValueError(f"{what} must be ints >= 0, got {t!r}")
+    return int(v)
+
+
+def validate_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
+    ids = [_token_id(t, "prompt token ids") for t in prompt_token_ids]
+    if not ids:
+        raise ValueError("prompt has 0 tokens; at least 1 is needed")
+    return ids
