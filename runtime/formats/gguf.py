@@ -1,0 +1,186 @@
+"""GGUF files (llama.cpp), read through the `gguf` package and presented under HF names and layout.
+
+Metadata becomes a ModelConfig; tensors are dequantized to float32 one at a time on `get`, so host
+memory holds one tensor plus the file's mmap. Two layout facts from llama.cpp's converter
+(convert_hf_to_gguf.py) matter here:
+- ggml lists dimensions innermost first; the reader's numpy arrays are already `[out, in]` (HF order).
+- `LlamaModel.modify_tensors` permutes q/k weights (and biases) of the `llama` architecture into
+  interleaved RoPE pairs; `Qwen2Model` does not. We undo the permutation for `llama` only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from models.config import ModelConfig, RopeScaling, rope_inv_freq
+from runtime.formats.base import CheckpointError, interleaved_to_half_split
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
+
+# GGUF tensor name suffix within a block -> HF name suffix within `model.layers.N.`
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we don't use."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}" if part in _BLOCK_NAMES else None
+    base, _, kind = gguf_name.rpartition(".")
+    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES and kind in ("weight", "bias") else None
+
+
+def _f32(x) -> float:
+    """A GGUF float32 as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(x)))
+
+
+class GGUFSource:
+    """Tensors of a GGUF file of the llama or qwen2 architecture, by HF name, in HF layout (float32)."""
+
+    dtype = np.dtype(np.float32)  # dequantized weights are exact only in float32
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: GGUF file does not exist")
+        try:
+            self._reader = GGUFReader(self.path)
+        except (ValueError, KeyError, IndexError, OSError) as e:
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.arch = self._meta("general.architecture", required=True)
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {self.arch!r} is not supported; supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        self._tensors = {}  # HF name -> ReaderTensor
+        for t in self._reader.tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+        self.config = self._build_config()
+
+    # -------------------------------------------------------------------------------- metadata
+
+    def _meta(self, key: str, default=None, *, required: bool = False):
+        field = self._reader.fields.get(key)
+        if field is None:
+            if required:
+                raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def _build_config(self) -> ModelConfig:
+        a = self.arch
+        embed = self._tensors.get("model.embed_tokens.weight")
+        if embed is None:
+            raise CheckpointError(f"{self.path}: GGUF has no token_embd.weight tensor")
+        D = int(self._meta(f"{a}.embedding_length", required=True))
+        N = int(self._meta(f"{a}.attention.head_count", required=True))
+        # the embedding's row count is what the weights were trained with; the token list may be
+        # shorter (padded embeddings) but never longer
+        V = int(embed.shape[1])
+        tokens = self._meta("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens) > V:
+            raise CheckpointError(
+                f"{self.path}: tokenizer has {len(tokens)} tokens but token_embd.weight has only {V} rows"
+            )
+        H = self._meta(f"{a}.attention.key_length") or self._meta(f"{a}.rope.dimension_count") or D // N
+        rope_dim = self._meta(f"{a}.rope.dimension_count")
+        if rope_dim is not None and int(rope_dim) != int(H):
+            raise CheckpointError(
+                f"{self.path}: {a}.rope.dimension_count is {rope_dim} but head_dim is {H}; partial "
+                f"rotary embeddings are not supported"
+            )
+        ctx = int(self._meta(f"{a}.context_length", 4096))
+        cfg = ModelConfig(
+            name=self.path.stem,
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=int(self._meta(f"{a}.feed_forward_length", required=True)),
+            num_layers=int(self._meta(f"{a}.block_count", required=True)),
+            num_heads=N,
+            num_kv_heads=int(self._meta(f"{a}.attention.head_count_kv") or N),
+            head_dim=int(H),
+            rope_theta=_f32(self._meta(f"{a}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(self._meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=ctx,
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            attention_bias=a == "qwen2" or "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            architecture=SUPPORTED_ARCHITECTURES[a],
+        )
+        return cfg.replace(rope_scaling=self._rope_scaling(cfg))
+
+    def _rope_scaling(self, cfg: ModelConfig) -> RopeScaling | None:
+        a = self.arch
+        kind = self._meta(f"{a}.rope.scaling.type")
+        factor = self._meta(f"{a}.rope.scaling.factor")
+        freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            # llama.cpp stores Llama 3.1's scaling as per-pair frequency divisors (rope_freqs) instead
+            # of its parameters; accept them when they are exactly the llama3 rule with the
+            # parameters every released Llama 3.x model uses.
+            got = np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float64).reshape(-1)
+            orig = int(self._meta(f"{a}.rope.scaling.original_context_length", 8192))
+            rs = RopeScaling("llama3", float(got.max()), 1.0, 4.0, orig)
+            base = rope_inv_freq(cfg.replace(rope_scaling=None)).astype(np.float64)
+            want = base / rope_inv_freq(cfg.replace(rope_scaling=rs)).astype(np.float64)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4):
+                raise CheckpointError(
+                    f"{self.path}: rope_freqs.weight does not match llama3 rope scaling with factor "
+                    f"{rs.factor}, low_freq_factor 1, high_freq_factor 4, original context {orig}; "
+                    f"other rope frequency factors are not supported"
+                )
+            return rs
+        if kind in (None, "none") or factor in (None, 1.0):
+            return None
+        if kind == "linear":
+            return RopeScaling("linear", float(factor))
+        raise CheckpointError(f"{self.path}: rope scaling type {kind!r} is not supported (supported: none, linear, llama3)")
+
+    # --------------------------------------------------------------------------------- tensors
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        t = self._tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name!r} has quantization type {t.tensor_type.name}; supported: "
+                f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}"
+            )
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml order is innermost first
+        if w.shape != shape:
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} dequantized to {w.shape}; expected {shape}")
+        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
+            w = interleaved_to_half_split(w, heads)
+        return w
+
+    def tokenizer_path(self) -> Path:
+        return self.path  # runtime.tokenizer builds the tokenizer from the GGUF metadata

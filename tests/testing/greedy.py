@@ -1,0 +1,61 @@
+"""Plain greedy generation over the paged model, for tests: prefill the prompt in one step, then
+decode one token per step, reusing the same pages. One sequence; pages taken in reverse order so a
+page-table bug cannot hide behind an identity mapping; unused cache filled with NaN."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.attention import AttentionMetadata
+from runtime.kv_cache import init_kv_pages
+from sharding.rules import kv_cache_sharding
+
+
+@dataclasses.dataclass
+class GreedyResult:
+    tokens: list[int]  # generated ids, the prompt excluded
+    prompt_logits: np.ndarray  # f32[T, V]: logits at every prompt position
+    step_logits: np.ndarray  # f32[n, V]: the logits each generated token was the argmax of
+
+
+def greedy_generate(
+    loaded,  # runtime.checkpoint.LoadedModel
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    page_size: int = 16,
+    stop_token: int | None = None,
+) -> GreedyResult:
+    cfg = loaded.config
+    T = len(prompt)
+    if T == 0 or max_new_tokens < 1:
+        raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1; got {T} tokens, {max_new_tokens}")
+    total = T + max_new_tokens - 1  # the last generated token is never fed back
+    num_pages = -(-total // page_size)
+    pages = list(reversed(range(num_pages)))
+    kv = init_kv_pages(cfg, num_pages, page_size, loaded.dtype, kv_repeat=loaded.kv_repeat,
+                       sharding=kv_cache_sharding(cfg, loaded.mesh), fill=float("nan"))
+    step = jax.jit(loaded.forward, donate_argnums=(3,))
+    meta = partial(AttentionMetadata.build, page_tables=[pages], pages_per_seq=num_pages)
+
+    logits, kv = step(loaded.params, jnp.asarray(prompt, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv,
+                      meta([T], [T]))
+    prompt_logits = np.asarray(logits, np.float32)
+    last = prompt_logits[-1]
+    tokens, step_logits = [], []
+    for pos in range(T, T + max_new_tokens):
+        tok = int(np.argmax(last))
+        tokens.append(tok)
+        step_logits.append(last)
+        if tok == stop_token or pos == T + max_new_tokens - 1:
+            break
+        logits, kv = step(loaded.params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), kv,
+                          meta([pos + 1], [1]))
+        last = np.asarray(logits[0], np.float32)
+    return GreedyResult(tokens, prompt_logits, np.stack(step_logits))
