@@ -1,0 +1,199 @@
+"""Token ids back to text, whole or streamed.
+
+Every tokenizer we load is reduced to a `PieceTable`: the bytes each id stands for, plus two
+rules that are not a property of one token alone:
+
+* the dummy-prefix space. SentencePiece (and llama2.c, and HF `Metaspace`/`Strip` decoders) writes
+  the space it prepended while encoding as the first byte of the first piece; decoding drops it.
+  `StripMode.FIRST_PIECE` is SentencePiece's rule (the first piece that is not skipped loses one
+  leading space, unless it is a byte-fallback or unknown piece, which stand for literal text);
+  `StripMode.OUTPUT` is HF's `Fuse` + `Strip(" ", 1, 0)` rule (the decoded text loses one leading
+  space).
+* invalid UTF-8. Byte-level BPE (GPT-2, Llama 3, Qwen2) decodes like Rust's `from_utf8_lossy`:
+  one U+FFFD per maximal invalid subsequence (Python's `errors="replace"` follows the same Unicode
+  recommendation). SentencePiece's byte fallback gives one U+FFFD per invalid byte.
+
+The streaming decoder feeds the same bytes to Python's incremental UTF-8 decoder. It holds back an
+incomplete multi-byte character until the token that completes it (or `flush`) arrives, which is
+what vLLM's prefix_offset/read_offset technique approximates by re-decoding a window and holding
+back text that ends in U+FFFD. Working on bytes makes the streamed text equal the full decode by
+construction, including for U+FFFD that the model really produced.
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import operator
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+
+class StripMode(enum.Enum):
+    NONE = "none"
+    FIRST_PIECE = "first_piece"  # SentencePiece, llama2.c, HF Metaspace
+    OUTPUT = "output"  # HF Fuse + Strip(content=" ", start=1)
+
+
+class InvalidBytes(enum.Enum):
+    REPLACE = "replace"  # one U+FFFD per maximal invalid subsequence (byte-level BPE)
+    PER_BYTE = "per_byte"  # one U+FFFD per invalid byte (SentencePiece byte fallback)
+
+
+# `surrogateescape` turns each undecodable byte into one lone surrogate U+DC80..U+DCFF; valid UTF-8
+# never decodes to a surrogate, so mapping that range to U+FFFD gives exactly one per invalid byte.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def byte_fallback_value(piece: str) -> int | None:
+    """The byte a `<0xNN>` byte-fallback piece stands for, else None."""
+    m = _BYTE_PIECE.fullmatch(piece)
+    return int(m.group(1), 16) if m else None
+
+
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+@cache
+def _byte_level_translation() -> dict[int, int]:
+    # Alphabet characters become the byte they stand for (as a code point < 256); characters
+    # below 256 outside the alphabet become U+0100 so that the Latin-1 encode below fails.
+    table = {ord(c): b for c, b in byte_level_alphabet().items()}
+    table.update({x: 0x100 for x in range(256) if x not in table})
+    return table
+
+
+def byte_level_bytes(piece: str) -> bytes:
+    """A byte-level BPE token's bytes. Like HF's ByteLevel decoder, a token that uses any character
+    outside the alphabet (an added token such as `<｜end▁of▁sentence｜>`) stands for its own UTF-8."""
+    try:
+        return piece.translate(_byte_level_translation()).encode("latin-1")
+    except UnicodeEncodeError:
+        return piece.encode("utf-8")
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """What each token id decodes to. `pieces[i]` is the bytes of id i (for SentencePiece the
+    "▁" is already a space, byte-fallback pieces are their byte)."""
+
+    pieces: tuple[bytes, ...]
+    special_ids: frozenset[int]  # dropped when skip_special_tokens
+    literal_ids: frozenset[int]  # byte-fallback/unknown pieces: a leading space is real text
+    strip: StripMode
+    invalid: InvalidBytes
+
+    @property
+    def size(self) -> int:
+        return len(self.pieces)
+
+    def check_id(self, token_id: int) -> int:
+        try:
+            i = operator.index(token_id)
+        except TypeError:
+            raise TypeError(f"token ids must be integers; got {token_id!r}") from None
+        if not 0 <= i < len(self.pieces):
+            raise ValueError(f"token id {i} is out of range; the vocabulary has {len(self.pieces)} ids")
+        return i
+
+    def first_piece_bytes(self, token_id: int, piece: bytes) -> bytes:
+        """The bytes of the first decoded piece, without the dummy-prefix space when it has one."""
+        if self.strip is StripMode.FIRST_PIECE and piece[:1] == b" " and token_id not in self.literal_ids:
+            return piece[1:]
+        return piece
+
+    def bytes_to_text(self, data: bytes) -> str:
+        if self.invalid is InvalidBytes.REPLACE:
+            return data.decode("utf-8", "replace")
+        return unescape_invalid(data.decode("utf-8", "surrogateescape"))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        first = True
+        for token_id in ids:
+            i = self.check_id(token_id)
+            if skip_special_tokens and i in self.special_ids:
+                continue
+            piece = self.pieces[i]
+            if first:
+                first = False
+                piece = self.first_piece_bytes(i, piece)
+            out += piece
+        text = self.bytes_to_text(bytes(out))
+        if self.strip is StripMode.OUTPUT and text.startswith(" "):
+            text = text[1:]
+        return text
+
+
+def unescape_invalid(text: str) -> str:
+    return _ESCAPED_BYTE.sub("\ufffd", text) if _ESCAPED_BYTE.search(text) else text
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing token sequence: the concatenation of every `step` result and
+    `flush()` equals `decode(prompt_ids + all ids stepped)[len(decode(prompt_ids)):]`, i.e. exactly
+    the full decode when there is no prompt.
+
+    `prompt_ids` are consumed without producing text. They matter: after a prompt, the first
+    generated "▁Paris" is " Paris", not the "Paris" it would be at the start of a text.
+    """
+
+    def __init__(self, table: PieceTable, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
+        self._table = table
+        self._skip = skip_special_tokens
+        errors = "replace" if table.invalid is InvalidBytes.REPLACE else "surrogateescape"
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors=errors)
+        self._first_piece = True  # no piece decoded yet (StripMode.FIRST_PIECE)
+        self._first_text = True  # no text produced yet (StripMode.OUTPUT)
+        self._flushed = False
+        if prompt_ids:
+            self._feed(prompt_ids, final=False)
+
+    def step(self, new_ids: int | Iterable[int]) -> str:
+        """Adds generated ids; returns the text they complete (possibly empty)."""
+        if isinstance(new_ids, int):
+            new_ids = (new_ids,)
+        return self._feed(new_ids, final=False)
+
+    def flush(self) -> str:
+        """Ends the stream; returns text held back for an incomplete UTF-8 sequence (as U+FFFD)."""
+        text = self._feed((), final=True)
+        self._flushed = True
+        return text
+
+    def _feed(self, ids: Iterable[int], final: bool) -> str:
+        if self._flushed:
+            raise ValueError("this detokenizer was flushed; start a new one for a new stream")
+        table = self._table
+        out = bytearray()
+        for token_id in ids:
+            i = table.check_id(token_id)
+            if self._skip and i in table.special_ids:
+                continue
+            piece = table.pieces[i]
+            if self._first_piece:
+                self._first_piece = False
+                piece = table.first_piece_bytes(i, piece)
+            out += piece
+        text = self._utf8.decode(bytes(out), final)
+        if table.invalid is InvalidBytes.PER_BYTE:
+            text = unescape_invalid(text)
+        if text and self._first_text:
+            self._first_text = False
+            if table.strip is StripMode.OUTPUT and text.startswith(" "):
+                text = text[1:]
+        return text

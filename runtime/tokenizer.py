@@ -1,0 +1,736 @@
+"""Tokenizers: SentencePiece `.model`, HF `tokenizer.json`, GGUF-embedded, and llama2.c `tok*.bin`.
+
+Encoding runs in the library each format belongs to (sentencepiece, HF `tokenizers`); llama2.c's
+format has no library, so its score-driven BPE is implemented here. Decoding goes through one
+`PieceTable` per tokenizer (see runtime/detokenizer.py), which is what lets the streaming
+detokenizer reproduce the full decode exactly.
+
+Decoding is the inverse of encoding: unlike transformers we never apply
+`clean_up_tokenization_spaces` (it rewrites " ." as "." and so cannot be streamed or round-tripped).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from runtime.detokenizer import (
+    IncrementalDetokenizer,
+    InvalidBytes,
+    PieceTable,
+    StripMode,
+    byte_fallback_value,
+    byte_level_bytes,
+)
+from gguf.constants import TokenType
+
+from runtime.gguf_tokenizer import load_gguf_tokenizer
+
+# End-of-turn tokens that stop generation when the vocabulary has them as special tokens, beside
+# the configured EOS (Llama 3 ends a turn with <|eot_id|> but declares <|end_of_text|> as EOS).
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no BOS/EOS added."""
+        ...
+
+
+class Tokenizer:
+    """One tokenizer, whatever file it came from. Build it with `load_tokenizer` or a `from_*`
+    constructor."""
+
+    def __init__(
+        self,
+        *,
+        encoder: _Encoder,
+        table: PieceTable,
+        pieces: Sequence[str],
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        pad_id: int | None,
+        unk_id: int | None = None,
+        add_bos: bool,
+        add_eos: bool = False,
+        chat_templates: Mapping[str, str] | None = None,
+        source: str = "",
+    ):
+        if len(pieces) != table.size:
+            raise ValueError(f"{len(pieces)} pieces for a decoding table of {table.size} ids")
+        for name, tid in (("bos", bos_id), ("pad", pad_id), ("unk", unk_id), *(("eos", e) for e in eos_ids)):
+            if tid is not None and not 0 <= tid < table.size:
+                raise ValueError(f"{name} id {tid} is outside the vocabulary of {table.size}")
+        if add_bos and bos_id is None:
+            raise ValueError(f"{source}: configured to add BOS but has no BOS token")
+        self._encoder = encoder
+        self._table = table
+        self._pieces = tuple(pieces)
+        self._piece_ids: dict[str, int] | None = None
+        self._bos_id, self._pad_id, self._unk_id = bos_id, pad_id, unk_id
+        specials = table.special_ids
+        chat_ends = (i for i in map(self.piece_to_id, CHAT_END_TOKENS) if i is not None and i in specials)
+        self._eos_ids = tuple(dict.fromkeys([*eos_ids, *chat_ends]))
+        self._add_bos = add_bos
+        self._add_eos = add_eos and bool(self._eos_ids)
+        self._chat_templates = dict(chat_templates or {})
+        self._compiled: dict[str, Any] = {}
+        self._source = source
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self._source!r}, vocab_size={self.vocab_size}, bos_id={self._bos_id}, "
+            f"eos_ids={self._eos_ids}, add_bos={self._add_bos})"
+        )
+
+    # --- vocabulary ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._table.size
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation; the configured EOS first."""
+        return self._eos_ids
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_ids[0] if self._eos_ids else None
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._pad_id
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._unk_id
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids dropped by `decode(..., skip_special_tokens=True)`."""
+        return self._table.special_ids
+
+    @property
+    def add_bos_token(self) -> bool:
+        return self._add_bos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_templates.get("default")
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry of an id as the format spells it ("▁Hello", "Ġworld", "<0x0A>")."""
+        return self._pieces[self._table.check_id(token_id)]
+
+    def piece_to_id(self, piece: str) -> int | None:
+        if self._piece_ids is None:
+            ids: dict[str, int] = {}
+            for i, p in enumerate(self._pieces):
+                ids.setdefault(p, i)
+            self._piece_ids = ids
+        return self._piece_ids.get(piece)
+
+    # --- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
+        ids. With `add_special_tokens`, BOS (and EOS) are added when the tokenizer's config says so;
+        encode a rendered chat template with `add_special_tokens=False`, as it writes BOS itself."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str; got {type(text).__name__}")
+        ids = self._encoder.encode(text)
+        if add_special_tokens:
+            if self._add_bos:
+                ids.insert(0, self._bos_id)
+            if self._add_eos:
+                ids.append(self._eos_ids[0])
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._table.decode(ids, skip_special_tokens)
+
+    def incremental_detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming decoder whose outputs concatenate to the text of the ids stepped into it
+        (after `prompt_ids`, whose text it does not repeat)."""
+        return IncrementalDetokenizer(self._table, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
+
+    # --- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Renders `messages` with the model's jinja2 chat template the way transformers does:
+        sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`,
+        and bos_token/eos_token/unk_token/pad_token in scope. Extra keyword arguments (`tools`,
+        `documents`, `enable_thinking`, ...) are passed to the template."""
+        if not self._chat_templates:
+            raise ValueError(f"{self._source} has no chat template")
+        name = "tool_use" if kwargs.get("tools") and "tool_use" in self._chat_templates else "default"
+        if name not in self._chat_templates:
+            raise ValueError(f"{self._source} has chat templates {sorted(self._chat_templates)} but no 'default'")
+        if name not in self._compiled:
+            self._compiled[name] = _chat_environment().from_string(self._chat_templates[name])
+        context = {
+            f"{n}_token": self._pieces[i]
+            for n, i in (("bos", self._bos_id), ("eos", self.eos_id), ("unk", self._unk_id), ("pad", self._pad_id))
+            if i is not None
+        }
+        context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None)
+        context.update(kwargs)
+        return self._compiled[name].render(**context)
+
+    # --- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """An HF model folder: tokenizer.json (or tokenizer.model) with tokenizer_config.json,
+        special_tokens_map.json, generation_config.json and chat_template.jinja when present."""
+        d = Path(path)
+        if not d.is_dir():
+            raise FileNotFoundError(f"tokenizer folder {d} does not exist")
+        cfg = _read_json(d / "tokenizer_config.json")
+        special_map = _read_json(d / "special_tokens_map.json")
+        gen = _read_json(d / "generation_config.json")
+        if (d / "tokenizer.json").is_file():
+            parts = _hf_json_parts(d / "tokenizer.json", {**special_map, **cfg})
+        elif (d / "tokenizer.model").is_file():
+            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg))
+        else:
+            raise FileNotFoundError(f"{d} has neither tokenizer.json nor tokenizer.model")
+
+        def configured_id(name: str) -> int | None:
+            content = _token_content(cfg.get(f"{name}_token", special_map.get(f"{name}_token")))
+            if content is None:
+                return None
+            tid = parts.piece_to_id(content)
+            if tid is None:
+                raise ValueError(f"{d}: {name}_token {content!r} is not in the vocabulary")
+            return tid
+
+        bos = configured_id("bos")
+        if bos is None:
+            bos = parts.bos_id
+        eos = [configured_id("eos"), *_id_list(gen.get("eos_token_id"))]
+        if eos[0] is None:
+            eos[0] = parts.eos_id
+        pad = configured_id("pad")
+        if pad is None:
+            pad = gen.get("pad_token_id")
+        unk = configured_id("unk")
+        add_bos = cfg.get("add_bos_token", parts.add_bos)
+        add_eos = cfg.get("add_eos_token", parts.add_eos)
+        return cls(
+            encoder=parts.encoder,
+            table=parts.table,
+            pieces=parts.pieces,
+            bos_id=bos,
+            eos_ids=[e for e in eos if e is not None],
+            pad_id=pad,
+            unk_id=unk if unk is not None else parts.unk_id,
+            add_bos=bool(add_bos) and bos is not None,
+            add_eos=bool(add_eos),
+            chat_templates=_config_chat_templates(d, cfg),
+            source=str(d),
+        )
+
+    @classmethod
+    def from_sentencepiece(cls, path: str | os.PathLike, *, add_bos: bool = True) -> Tokenizer:
+        """A bare SentencePiece `.model`; BOS/EOS/unknown come from the model's trainer spec."""
+        parts = _sentencepiece_parts(Path(path), {})
+        return cls(
+            encoder=parts.encoder,
+            table=parts.table,
+            pieces=parts.pieces,
+            bos_id=parts.bos_id,
+            eos_ids=[parts.eos_id] if parts.eos_id is not None else [],
+            pad_id=parts.pad_id,
+            unk_id=parts.unk_id,
+            add_bos=add_bos and parts.bos_id is not None,
+            source=str(path),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer in a GGUF file's metadata (runtime/gguf_tokenizer.py)."""
+        g = load_gguf_tokenizer(path)
+        if g.sentencepiece_proto is not None:
+            parts = _sentencepiece_parts_from_proto(g.sentencepiece_proto, str(path), {})
+        else:
+            control = {i for i, t in enumerate(g.token_types) if t == TokenType.CONTROL}
+            parts = _hf_parts(g.hf_tokenizer, str(path), decoder={"type": "ByteLevel"}, special=control)
+        return cls(
+            encoder=parts.encoder,
+            table=parts.table,
+            pieces=g.tokens,
+            bos_id=g.bos_id,
+            eos_ids=[g.eos_id] if g.eos_id is not None else [],
+            pad_id=g.pad_id,
+            unk_id=g.unk_id,
+            add_bos=g.add_bos and g.bos_id is not None,
+            add_eos=g.add_eos,
+            chat_templates=g.chat_templates,
+            source=str(path),
+        )
+
+    @classmethod
+    def from_llama2c(cls, path: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer:
+        """llama2.c's `tokenizer.bin`/`tok512.bin` (see `_Llama2cEncoder`)."""
+        pieces, scores = _read_llama2c(Path(path), vocab_size)
+        table_pieces = []
+        literal = set()
+        for i, p in enumerate(pieces):
+            b = byte_fallback_value(p)
+            if b is not None and 3 <= i < 259:
+                table_pieces.append(bytes([b]))
+                literal.add(i)
+            else:
+                table_pieces.append(p.encode("utf-8"))
+        table = PieceTable(
+            pieces=tuple(table_pieces),
+            special_ids=frozenset({1, 2}),
+            literal_ids=frozenset(literal | {0}),
+            strip=StripMode.FIRST_PIECE,
+            invalid=InvalidBytes.PER_BYTE,
+        )
+        return cls(
+            encoder=_Llama2cEncoder(pieces, scores),
+            table=table,
+            pieces=pieces,
+            bos_id=1,
+            eos_ids=[2],
+            pad_id=None,
+            unk_id=0,
+            add_bos=True,
+            source=str(path),
+        )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from a model folder, a `.model`, a `.gguf`, a llama2.c `.bin` or a tokenizer.json."""
+    p = Path(path)
+    if p.is_dir():
+        return Tokenizer.from_pretrained_dir(p)
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer path {p} does not exist")
+    if p.name == "tokenizer.json":
+        return Tokenizer.from_pretrained_dir(p.parent)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if p.suffix == ".gguf" or magic == b"GGUF":
+        return Tokenizer.from_gguf(p)
+    if p.suffix == ".model":
+        return Tokenizer.from_sentencepiece(p)
+    if p.suffix == ".bin":
+        return Tokenizer.from_llama2c(p)
+    raise ValueError(f"cannot tell what tokenizer format {p} is (expected a folder, .model, .gguf, .bin or tokenizer.json)")
+
+
+# --- format-specific parts ----------------------------------------------------------------------
+
+
+class _Parts:
+    """What a format contributes before the config files are consulted."""
+
+    def __init__(self, encoder, table, pieces, *, bos_id=None, eos_id=None, pad_id=None, unk_id=None, add_bos=False, add_eos=False):
+        self.encoder, self.table, self.pieces = encoder, table, list(pieces)
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = bos_id, eos_id, pad_id, unk_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self._ids: dict[str, int] | None = None
+
+    def piece_to_id(self, piece: str) -> int | None:
+        if self._ids is None:
+            self._ids = {}
+            for i, p in enumerate(self.pieces):
+                self._ids.setdefault(p, i)
+        return self._ids.get(piece)
+
+
+class _SentencePieceEncoder:
+    """SentencePiece, with special tokens written in the text matched first (sentencepiece itself
+    leaves `<s>` as literal characters). Like llama.cpp, each stretch of text between special
+    tokens gets its own dummy-prefix space."""
+
+    def __init__(self, processor, literal: Mapping[str, int]):
+        self._sp = processor
+        self._literal = dict(literal)
+        alternatives = "|".join(re.escape(s) for s in sorted(self._literal, key=len, reverse=True))
+        self._split = re.compile(f"({alternatives})") if alternatives else None
+
+    def encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for k, part in enumerate(self._split.split(text)):
+            if k % 2:
+                ids.append(self._literal[part])
+            elif part:
+                ids.extend(self._sp.encode(part))
+        return ids
+
+
+def _sentencepiece_parts(path: Path, added: Mapping[int, tuple[str, bool]]) -> _Parts:
+    if not path.is_file():
+        raise FileNotFoundError(f"SentencePiece model {path} does not exist")
+    return _sentencepiece_parts_from_proto(path.read_bytes(), str(path), added)
+
+
+def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, tuple[str, bool]]) -> _Parts:
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    model = sp_pb2.ModelProto()
+    try:
+        model.ParseFromString(proto)
+        if not model.pieces:
+            raise ValueError("it has no pieces")
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+    except Exception as e:  # protobuf's DecodeError, sentencepiece's RuntimeError
+        raise ValueError(f"{source} is not a valid SentencePiece model: {e}") from None
+    if model.trainer_spec.treat_whitespace_as_suffix:
+        raise ValueError(f"{source}: SentencePiece models with treat_whitespace_as_suffix are not supported")
+    n = sp.get_piece_size()
+    pieces, table, special, literal_ids, literal_text = [], [], set(), set(), {}
+    unk_surface = (model.trainer_spec.unk_surface or " \u2047 ").encode("utf-8")
+    for i in range(n):
+        piece = sp.id_to_piece(i)
+        pieces.append(piece)
+        if sp.is_byte(i):
+            table.append(bytes([byte_fallback_value(piece)]))
+            literal_ids.add(i)
+        elif sp.is_unknown(i):
+            table.append(unk_surface)
+            literal_ids.add(i)
+            literal_text[piece] = i
+        elif sp.is_control(i):
+            table.append(piece.encode("utf-8"))
+            special.add(i)
+            literal_text[piece] = i
+        else:
+            table.append(piece.replace("\u2581", " ").encode("utf-8"))
+    # Tokens a tokenizer_config.json adds (a <pad> appended by a fine-tune) are matched literally.
+    for tid, (content, is_special) in sorted(added.items()):
+        if tid < n:
+            if pieces[tid] != content:
+                raise ValueError(f"{source}: added token {tid} is {content!r} but the model has {pieces[tid]!r}")
+        elif tid == len(pieces):
+            pieces.append(content)
+            table.append(content.encode("utf-8"))
+        else:
+            raise ValueError(f"{source}: added token id {tid} leaves a gap after the vocabulary of {len(pieces)}")
+        literal_text[content] = tid
+        literal_ids.add(tid)
+        if is_special:
+            special.add(tid)
+    norm = model.normalizer_spec
+    strips = norm.add_dummy_prefix or norm.remove_extra_whitespaces
+    opt = lambda i: i if i >= 0 else None  # noqa: E731
+    return _Parts(
+        _SentencePieceEncoder(sp, literal_text),
+        PieceTable(
+            pieces=tuple(table),
+            special_ids=frozenset(special),
+            literal_ids=frozenset(literal_ids),
+            strip=StripMode.FIRST_PIECE if strips else StripMode.NONE,
+            invalid=InvalidBytes.PER_BYTE,
+        ),
+        pieces,
+        bos_id=opt(sp.bos_id()),
+        eos_id=opt(sp.eos_id()),
+        pad_id=opt(sp.pad_id()),
+        unk_id=opt(sp.unk_id()),
+        add_bos=sp.bos_id() >= 0,
+    )
+
+
+class _HFEncoder:
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        tok = HFTokenizer.from_str(json.dumps(spec))
+    except Exception as e:  # JSONDecodeError, tokenizers' Exception
+        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+    special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
+    parts = _hf_parts(tok, str(path), decoder=spec.get("decoder"), special=special)
+    probe = tok.encode("", add_special_tokens=True).ids
+    bos = _token_content(cfg.get("bos_token"))
+    eos = _token_content(cfg.get("eos_token"))
+    parts.bos_id = tok.token_to_id(bos) if bos is not None else None
+    parts.eos_id = tok.token_to_id(eos) if eos is not None else None
+    # Without add_bos_token in the config, the post-processor tells (Llama 3 writes BOS there).
+    parts.add_bos = parts.bos_id is not None and probe[:1] == [parts.bos_id]
+    parts.add_eos = parts.eos_id is not None and probe[-1:] == [parts.eos_id] and (len(probe) > 1 or not parts.add_bos)
+    if parts.add_bos and parts.eos_id == parts.bos_id and len(probe) == 1:
+        parts.add_eos = False
+    return parts
+
+
+def _hf_parts(tok, source: str, decoder: Mapping[str, Any] | None, special: set[int]) -> _Parts:
+    rules = _DecodeRules(source)
+    rules.read(decoder)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    size = max(vocab.values()) + 1
+    pieces = [""] * size
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    table, literal = [], set()
+    for i, piece in enumerate(pieces):
+        b = byte_fallback_value(piece) if rules.byte_fallback else None
+        if b is not None:
+            table.append(bytes([b]))
+            literal.add(i)
+        elif rules.byte_level:
+            table.append(byte_level_bytes(piece))
+        else:
+            for old, new in rules.replace:
+                piece = piece.replace(old, new)
+            table.append(piece.encode("utf-8"))
+    return _Parts(
+        _HFEncoder(tok),
+        PieceTable(
+            pieces=tuple(table),
+            special_ids=frozenset(special),
+            literal_ids=frozenset(literal),
+            strip=rules.strip,
+            invalid=InvalidBytes.PER_BYTE if rules.byte_fallback else InvalidBytes.REPLACE,
+        ),
+        pieces,
+    )
+
+
+class _DecodeRules:
+    """The `decoder` of a tokenizer.json, reduced to per-token bytes plus the strip rule."""
+
+    SUPPORTED = "ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence"
+
+    def __init__(self, source: str):
+        self.source = source
+        self.byte_level = False
+        self.byte_fallback = False
+        self.replace: list[tuple[str, str]] = []
+        self.strip = StripMode.NONE
+
+    def read(self, d: Mapping[str, Any] | None) -> None:
+        if d is None:
+            return
+        kind = d.get("type")
+        if kind == "Sequence":
+            for sub in d.get("decoders", ()):
+                self.read(sub)
+        elif kind == "ByteLevel":
+            self.byte_level = True
+        elif kind == "ByteFallback":
+            self.byte_fallback = True
+        elif kind == "Fuse":
+            pass
+        elif kind == "Metaspace":
+            scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
+            self.replace.append((d.get("replacement", "\u2581"), " "))
+            if scheme != "never":
+                self.strip = StripMode.FIRST_PIECE
+        elif kind == "Replace" and "String" in d.get("pattern", {}):
+            self.replace.append((d["pattern"]["String"], d["content"]))
+        elif kind == "Strip" and d.get("content") == " " and d.get("start") == 1 and d.get("stop") == 0:
+            self.strip = StripMode.OUTPUT
+        else:
+            raise ValueError(f"{self.source}: tokenizer.json decoder {dict(d)} is not supported; supported: {self.SUPPORTED}")
+
+
+# --- llama2.c -----------------------------------------------------------------------------------
+
+
+def _read_llama2c(path: Path, vocab_size: int | None) -> tuple[list[str], list[float]]:
+    """int32 max_token_length, then per token: float32 score, int32 byte length, the bytes."""
+    if not path.is_file():
+        raise FileNotFoundError(f"llama2.c tokenizer {path} does not exist")
+    data = path.read_bytes()
+    if len(data) < 4:
+        raise ValueError(f"{path} is not a llama2.c tokenizer: {len(data)} bytes")
+    (max_len,) = struct.unpack_from("<i", data, 0)
+    if not 0 < max_len <= 4096:
+        raise ValueError(f"{path} is not a llama2.c tokenizer: max_token_length {max_len}")
+    pieces, scores, pos = [], [], 4
+    while pos < len(data) and (vocab_size is None or len(pieces) < vocab_size):
+        if pos + 8 > len(data):
+            raise ValueError(f"{path}: token {len(pieces)} is truncated at byte {pos}")
+        score, n = struct.unpack_from("<fi", data, pos)
+        pos += 8
+        if not 0 <= n <= max_len or pos + n > len(data):
+            raise ValueError(f"{path}: token {len(pieces)} has length {n} (max_token_length {max_len}, {len(data) - pos} bytes left)")
+        try:
+            pieces.append(data[pos : pos + n].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: token {len(pieces)} is not UTF-8") from None
+        scores.append(score)
+        pos += n
+    if vocab_size is not None and len(pieces) != vocab_size:
+        raise ValueError(f"{path} has {len(pieces)} tokens; expected vocab_size {vocab_size}")
+    if len(pieces) < 259 or any(pieces[3 + b] != f"<0x{b:02X}>" for b in range(256)):
+        raise ValueError(f"{path} is not a llama2.c tokenizer: ids 3..258 are not the byte pieces <0x00>..<0xFF>")
+    # The exporter wraps BOS/EOS in newlines for run.c's printing; the pieces are <s> and </s>.
+    pieces[1], pieces[2] = pieces[1].strip("\n"), pieces[2].strip("\n")
+    return pieces, scores
+
+
+class _Llama2cEncoder:
+    """llama2.c's `encode` (run.c): a dummy-prefix " " token, one token per UTF-8 character (or its
+    bytes as <0xNN> tokens at ids 3..258), then repeatedly merge the adjacent pair whose
+    concatenation is the highest-scoring vocabulary entry, leftmost first on ties. run.c rescans
+    the whole sequence per merge; a heap with lazy invalidation gives the same merges in
+    O(n log n)."""
+
+    _NO_MERGE = -1e10  # run.c's initial best score: entries at or below it never merge
+
+    def __init__(self, pieces: Sequence[str], scores: Sequence[float]):
+        self._scores = list(scores)
+        self._ids: dict[str, int] = {}
+        for i, p in enumerate(pieces):
+            self._ids.setdefault(p, i)
+        if " " not in self._ids:
+            raise ValueError("llama2.c vocabulary has no ' ' piece for the dummy prefix")
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        ids = self._ids
+        syms: list[str] = [" "]
+        tokens: list[int] = [ids[" "]]
+        for ch in text:
+            tid = ids.get(ch)
+            if tid is not None:
+                syms.append(ch)
+                tokens.append(tid)
+            else:
+                for b in ch.encode("utf-8"):
+                    syms.append(f"<0x{b:02X}>")
+                    tokens.append(b + 3)
+        n = len(syms)
+        nxt = list(range(1, n + 1))
+        prv = list(range(-1, n - 1))
+        heap: list[tuple[float, int, int, str]] = []
+
+        def push(left: int) -> None:
+            right = nxt[left]
+            if right < n:
+                merged = syms[left] + syms[right]
+                tid = ids.get(merged)
+                if tid is not None and self._scores[tid] > self._NO_MERGE:
+                    heapq.heappush(heap, (-self._scores[tid], left, right, merged))
+
+        for i in range(n - 1):
+            push(i)
+        while heap:
+            _, left, right, merged = heapq.heappop(heap)
+            if syms[left] is None or syms[right] is None or nxt[left] != right or syms[left] + syms[right] != merged:
+                continue  # stale: one side has merged since this pair was queued
+            syms[left], tokens[left] = merged, ids[merged]
+            syms[right] = None
+            nxt[left] = nxt[right]
+            if nxt[right] < n:
+                prv[nxt[right]] = left
+            push(left)
+            if prv[left] >= 0:
+                push(prv[left])
+        return [t for s, t in zip(syms, tokens) if s is not None]
+
+
+# --- config files and chat templates ------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_content(v: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(v, Mapping):
+        return v.get("content")
+    return v
+
+
+def _id_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, list) else [int(v)]
+
+
+def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, tuple[str, bool]]:
+    return {int(k): (v["content"], bool(v.get("special", False))) for k, v in cfg.get("added_tokens_decoder", {}).items()}
+
+
+def _config_chat_templates(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
+    """chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template (a string
+    or a list of {"name", "template"}), in the order transformers prefers them."""
+    if (d / "chat_template.jinja").is_file():
+        return {"default": (d / "chat_template.jinja").read_text(encoding="utf-8")}
+    template = _read_json(d / "chat_template.json").get("chat_template", cfg.get("chat_template"))
+    if template is None:
+        return {}
+    if isinstance(template, str):
+        return {"default": template}
+    return {t["name"]: t["template"] for t in template}
+
+
+def _raise_exception(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # transformers' tojson: unlike jinja2's, it does not HTML-escape and keeps non-ASCII as is.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _chat_environment():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+        transformers; rendering only needs its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
