@@ -1,0 +1,657 @@
+"""The scheduler: which sequences run this step, with which tokens and pages. Pure Python, no JAX.
+
+Each step() returns a StepPlan; the engine packs it into fixed-shape arrays, runs the step, and
+hands the sampled tokens back through update_from_output(plan, tokens) before the next step().
+
+Policy (per step, within max_num_seqs slots and a max_num_batched_tokens budget):
+  1. running decodes, one token each, in priority order;
+  2. running prefills that are partway through their prompt, a chunk each (chunked prefill);
+  3. waiting requests in (priority, arrival) order: prefix-cache hits first shorten the prompt, then
+     a chunk fills the remaining budget. Admission stops at the first request whose remaining
+     pages would not fit above the watermark (strict ordering, no overtaking), and altogether in a
+     step that had to preempt.
+A running sequence that needs a page when none is available preempts the running sequence that
+would be admitted last (highest (priority, arrival)), possibly itself: the victim's pages are
+released and it waits again at its place in the queue, with its generated tokens appended to
+what must be recomputed, so its output does not change (recompute preemption, vLLM's default).
+
+A waiting request whose next prompt page is being computed right now by another running request
+(same tokens, same salt) is deferred until that page is registered, so that a burst of prompts
+sharing a prefix computes the prefix once instead of once per request admitted in the same step.
+
+n > 1: the engine adds one request, and once step() has returned the plan that completes its
+prompt (or any time later while it is live) calls fork(parent_id, child_ids): each child shares
+the parent's full prompt pages by reference and recomputes only the partial last page, under its
+own SamplingParams (seeds are the engine's business).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Iterable, Sequence
+
+from runtime.page_allocator import PageAllocator
+from runtime.prefix_cache import PrefixCache
+from runtime.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    validate_prompt,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int  # P: pages in the device pool
+    max_model_len: int  # prompt + generated tokens of one sequence
+    page_size: int = 16  # G: tokens per page
+    max_num_seqs: int = 64  # S: slots
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    watermark: float = 0.01  # fraction of the pool kept free when admitting (room for decodes)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise running decodes could starve one another of the step's token budget.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so that every prompt fits one step"
+            )
+
+    @cached_property
+    def watermark_pages(self) -> int:
+        return int(self.watermark * self.num_pages)
+
+    @cached_property
+    def max_pages_per_seq(self) -> int:
+        """P_max: width of the page table the step packer needs."""
+        return _cdiv(self.max_model_len, self.page_size)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step, in the order the step packer lays them out (decodes first)."""
+
+    request_id: str
+    slot: int  # stable while the request runs; per-slot device state (penalties, RNG) can key on it
+    token_ids: tuple[int, ...]  # tokens fed this step: 1 for a decode, a chunk for a prefill
+    start_pos: int  # position of token_ids[0] == tokens computed before this step
+    num_computed_after: int  # kv_len: tokens with K/V in pages once this step has run
+    pages: tuple[int, ...]  # every page of the sequence, in order; covers num_computed_after
+    sample: bool  # sample from the last token's logits (False for a chunk short of the prompt end)
+    is_prefill: bool
+
+    @property
+    def q_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_computed_after
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted_ids: tuple[str, ...]  # lost their pages (and slot) this step; they will recompute
+    finished_ids: tuple[str, ...]  # finished or aborted since the previous plan; their slots are free
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """What update_from_output did to one sampling sequence."""
+
+    request_id: str
+    token_id: int
+    finish_reason: str | None  # None while the request goes on
+    stop_reason: int | str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of pages referenced by live sequences
+    num_free_pages: int
+    num_cached_pages: int  # unreferenced pages kept for the prefix cache (evictable)
+    prefill_tokens: int  # prompt (and recomputed) tokens scheduled for computation, cumulative
+    decode_tokens: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+@dataclass
+class _StepBuilder:
+    budget: int
+    entries: dict[str, tuple[Request, int, int, bool]] = field(default_factory=dict)  # id -> (req, start, n, prefill)
+    preempted: list[str] = field(default_factory=list)
+
+    def add(self, req: Request, n: int) -> None:
+        self.entries[req.request_id] = (req, req.num_computed_tokens, n, req.is_prefill)
+        self.budget -= n
+
+    def remove(self, req: Request) -> None:
+        entry = self.entries.pop(req.request_id, None)
+        if entry is not None:
+            self.budget += entry[2]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, *, prefix_cache_key: bytes | None = None) -> None:
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages)
+        self.prefix_cache = (
+            PrefixCache(self.allocator, config.page_size, key=prefix_cache_key) if config.enable_prefix_caching else None
+        )
+        self._requests: dict[str, Request] = {}  # live: waiting or running
+        self._waiting: list[Request] = []  # sorted by order_key
+        self._running: list[Request] = []
+        self._free_slots = list(range(config.max_num_seqs))
+        self._next_arrival = 0
+        self._num_forks = 0
+        self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
+        self._outstanding: StepPlan | None = None
+        self._finished_since_plan: list[str] = []
+        self._num_steps = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._num_preemptions = 0
+
+    # -- requests in ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request, or raise ValueError at once if it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        params = sampling_params or SamplingParams()
+        prompt = validate_prompt(prompt_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            max_tokens=self._resolve_max_tokens(request_id, len(prompt), params),
+            eos_token_ids=frozenset(int(t) for t in eos_token_ids),
+            priority=int(priority),
+            cache_salt=cache_salt,
+            arrival=self._next_arrival,
+        )
+        self._next_arrival += 1
+        self._requests[request_id] = req
+        self._insert_waiting(req)
+        return req
+
+    def _resolve_max_tokens(self, request_id: str, n_prompt: int, params: SamplingParams) -> int:
+        L, G, P = self.config.max_model_len, self.config.page_size, self.config.num_pages
+        if params.max_tokens is None:
+            if n_prompt >= L:
+                raise ValueError(
+                    f"request {request_id!r}: prompt has {n_prompt} tokens; max_model_len is {L} "
+                    f"(room is needed for at least one generated token)"
+                )
+            max_tokens = L - n_prompt
+        else:
+            max_tokens = params.max_tokens
+            if n_prompt + max_tokens > L:
+                raise ValueError(
+                    f"request {request_id!r}: prompt has {n_prompt} tokens + max_tokens {max_tokens} = "
+                    f"{n_prompt + max_tokens} tokens; max_model_len is {L}"
+                )
+        # The last sampled token is never fed back, so its K/V is never stored.
+        pages = _cdiv(n_prompt + max_tokens - 1, G)
+        if pages > P:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {n_prompt} tokens + max_tokens {max_tokens} needs {pages} "
+                f"KV pages of {G} tokens; the pool has {P} pages"
+            )
+        return max_tokens
+
+    def fork(
+        self,
+        parent_id: str,
+        child_ids: Sequence[str],
+        sampling_params: Sequence[SamplingParams] | None = None,
+    ) -> list[Request]:
+        """Add children that continue `parent_id`'s prompt (not its outputs) as separate requests.
+
+        Each child references the parent's full prompt pages that are computed (or are being
+        computed by the outstanding plan) and recomputes the rest of the prompt, at least its last
+        token, whose logits it samples with its own params (default: the parent's, with n=1).
+        """
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"request {parent_id!r} is not live; fork it before it finishes")
+        if sampling_params is not None and len(sampling_params) != len(child_ids):
+            raise ValueError(f"{len(child_ids)} child ids but {len(sampling_params)} sampling params")
+        computed = parent.num_computed_tokens
+        if self._outstanding is not None:
+            for seq in self._outstanding.seqs:
+                if seq.request_id == parent_id:
+                    computed = seq.num_computed_after
+        G = self.config.page_size
+        k = min((parent.num_prompt_tokens - 1) // G, computed // G, len(parent.pages))
+        children = []
+        for i, cid in enumerate(child_ids):
+            if cid in self._requests or any(c.request_id == cid for c in children):
+                raise ValueError(f"request id {cid!r} is already live")
+            params = sampling_params[i] if sampling_params is not None else replace(parent.sampling_params, n=1)
+            children.append(
+                Request(
+                    request_id=cid,
+                    prompt_token_ids=list(parent.prompt_token_ids),
+                    sampling_params=params,
+                    max_tokens=self._resolve_max_tokens(cid, parent.num_prompt_tokens, params),
+                    eos_token_ids=parent.eos_token_ids,
+                    priority=parent.priority,
+                    cache_salt=parent.cache_salt,
+                    arrival=parent.arrival,
+                    parent_id=parent_id,
+                )
+            )
+        for child in children:
+            self._num_forks += 1  # orders children after their parent, before later arrivals
+            child.fork_index = self._num_forks
+            child.pages = parent.pages[:k]
+            self.allocator.incref(child.pages)
+            child.num_computed_tokens = k * G
+            child.page_hashes = parent.page_hashes[:k]
+            child.num_registered_pages = k  # the parent offers these pages to the prefix cache
+            self._requests[child.request_id] = child
+            self._insert_waiting(child)
+        return children
+
+    # -- requests out ---------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Cancel now: the request's pages are released before this returns. False if not live."""
+        return self.finish(request_id, FINISH_ABORT)
+
+    def finish(self, request_id: str, reason: str = FINISH_STOP, stop_reason: int | str | None = None) -> bool:
+        """End a live request (the detokenizer calls this for stop strings). False if not live."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
+            raise ValueError(f"finish reason must be one of stop, length, abort; got {reason!r}")
+        self._finish(req, reason, stop_reason)
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> StepPlan:
+        if self._outstanding is not None:
+            raise RuntimeError(
+                f"step {self._outstanding.step_id} is outstanding: call update_from_output(plan, tokens) first"
+            )
+        ctx = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._running.sort(key=lambda r: r.order_key)
+
+        for req in list(self._running):  # 1. decodes
+            if req.status is not RequestStatus.RUNNING or req.is_prefill:
+                continue
+            if ctx.budget < 1:
+                break
+            assert req.num_tokens - req.num_computed_tokens == 1, req
+            if self._ensure_pages(req, req.num_computed_tokens + 1, ctx):
+                ctx.add(req, 1)
+
+        for req in list(self._running):  # 2. prefills partway through their prompt
+            if req.status is not RequestStatus.RUNNING or not req.is_prefill or req.request_id in ctx.entries:
+                continue
+            if ctx.budget < 1:
+                break
+            n = self._fit_chunk(req, min(req.prefill_target - req.num_computed_tokens, ctx.budget), ctx)
+            if n:
+                ctx.add(req, n)
+
+        self._admit(ctx)  # 3. waiting requests
+
+        seqs = []
+        n_prefill = n_decode = 0
+        for req, start, n, prefill in ctx.entries.values():
+            end = start + n
+            seqs.append(
+                ScheduledSeq(
+                    request_id=req.request_id,
+                    slot=req.slot,
+                    token_ids=tuple(req.token_ids[start:end]),
+                    start_pos=start,
+                    num_computed_after=end,
+                    pages=tuple(req.pages),
+                    sample=end == req.num_tokens,
+                    is_prefill=prefill,
+                )
+            )
+            if prefill:
+                n_prefill += n
+            else:
+                n_decode += n
+        plan = StepPlan(
+            step_id=self._num_steps,
+            seqs=tuple(seqs),
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=n_decode,
+            preempted_ids=tuple(ctx.preempted),
+            finished_ids=tuple(self._finished_since_plan),
+        )
+        self._finished_since_plan = []
+        self._num_steps += 1
+        self._prefill_tokens += n_prefill
+        self._decode_tokens += n_decode
+        if seqs:
+            self._outstanding = plan
+        return plan
+
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence[int]) -> list[SeqUpdate]:
+        """Apply a finished step: sampled_token_ids[i] is what plan.seqs[i] sampled (ignored where
+        seqs[i].sample is False). Returns one SeqUpdate per sampled token of a live request."""
+        if plan is not self._outstanding:
+            raise ValueError(f"plan {plan.step_id} is not the outstanding plan")
+        if len(sampled_token_ids) != len(plan.seqs):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} scheduled sequences")
+        self._outstanding = None
+        updates = []
+        for seq, token in zip(plan.seqs, sampled_token_ids):
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted after the plan was made
+            req.num_computed_tokens = seq.num_computed_after
+            self._register_pages(req)
+            if not seq.sample:
+                continue
+            token = int(token)
+            req.token_ids.append(token)
+            done = req.check_stop_token(token)
+            if done is not None:
+                self._finish(req, *done)
+            updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
+        return updates
+
+    # -- internals ------------------------------------------------------------------------------
+    def _ensure_pages(self, req: Request, num_tokens: int, ctx: _StepBuilder) -> bool:
+        """Give a running request pages for num_tokens, preempting as needed. False if it was
+        preempted itself."""
+        need = _cdiv(num_tokens, self.config.page_size) - len(req.pages)
+        while need > self.allocator.num_available:
+            victim = self._pick_victim()
+            if victim is req:
+                self._preempt(victim, ctx)
+                return False
+            if victim.status is RequestStatus.WAITING:
+                self._drop_pages(victim)
+            else:
+                self._preempt(victim, ctx)
+        if need > 0:
+            req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _fit_chunk(self, req: Request, n: int, ctx: _StepBuilder) -> int:
+        """Shrink a running prefill's chunk to the pages available (preempting only when not even
+        one token fits), allocate them, and return the chunk length (0 if req was preempted)."""
+        G = self.config.page_size
+        room = len(req.pages) * G - req.num_computed_tokens + self.allocator.num_available * G
+        if room <= 0:
+            if not self._ensure_pages(req, req.num_computed_tokens + 1, ctx):
+                return 0
+            room = len(req.pages) * G - req.num_computed_tokens + self.allocator.num_available * G
+        n = min(n, room)
+        self._ensure_pages(req, req.num_computed_tokens + n, ctx)
+        return n
+
+    def _pick_victim(self) -> Request:
+        # Waiting forks hold shared pages but have computed nothing of their own: cheapest first.
+        holders = [r for r in self._waiting if r.pages]
+        pool = holders or self._running
+        return max(pool, key=lambda r: r.order_key)
+
+    def _admit(self, ctx: _StepBuilder) -> None:
+        if ctx.preempted or not self._waiting:
+            return
+        cfg, G = self.config, self.config.page_size
+        outstanding = sum(_cdiv(r.prefill_target, G) - len(r.pages) for r in self._running if r.is_prefill)
+        for req in list(self._waiting):
+            if ctx.budget < 1 or len(self._running) >= cfg.max_num_seqs:
+                break
+            hits: list[int] = []
+            if req.pages:  # a fork: it shares its parent's pages
+                start = req.num_computed_tokens
+            elif self.prefix_cache is not None:
+                self._ensure_hashes(req, req.num_tokens // G)
+                hits = self.prefix_cache.match(req.page_hashes, req.num_tokens)
+                k = len(hits)
+                if k < (req.num_tokens - 1) // G and self._inflight[req.page_hashes[k]] > 0:
+                    continue  # its next page is being computed now: wait for it, then share it
+                start = k * G
+            else:
+                start = 0
+            remaining = req.num_tokens - start
+            n = min(remaining, ctx.budget)
+            if n < remaining and not cfg.enable_chunked_prefill:
+                break
+            held = len(req.pages) + len(hits)
+            need_total = _cdiv(req.num_tokens, G) - held
+            need_now = _cdiv(start + n, G) - held
+            revived = sum(1 for p in hits if self.allocator.refcount(p) == 0)
+            available = self.allocator.num_available - revived
+            if self._running:
+                if available - need_total - outstanding < cfg.watermark_pages:
+                    break
+            elif available < need_total:
+                # Nothing runs, so only waiting forks can hold pages: release them so the head runs.
+                for other in reversed(self._waiting):
+                    if other is not req and other.pages:
+                        self._drop_pages(other)
+                available = self.allocator.num_available - revived
+                if available < need_total:
+                    break
+            if self.prefix_cache is not None and not req.pages:
+                hits = self.prefix_cache.lookup(req.page_hashes, req.num_tokens)  # same pages, now counted
+                self.allocator.incref(hits)
+                req.pages = list(hits)
+                req.num_computed_tokens = start
+            req.pages.extend(self.allocator.allocate(need_now))
+            req.num_registered_pages = held
+            req.prefill_target = req.num_tokens
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.num_cached_tokens = start
+            self._waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.slot = heapq.heappop(self._free_slots)
+            self._running.append(req)
+            if self.prefix_cache is not None:
+                self._ensure_hashes(req, req.num_tokens // G)
+                req.inflight = (held, req.num_tokens // G)
+                self._inflight.update(req.page_hashes[held : req.num_tokens // G])
+            outstanding += need_total - need_now
+            ctx.add(req, n)
+
+    def _ensure_hashes(self, req: Request, num_pages: int) -> None:
+        if len(req.page_hashes) < num_pages:
+            self.prefix_cache.extend_hashes(req.page_hashes, req.token_ids, req.cache_salt, num_pages)
+
+    def _register_pages(self, req: Request) -> None:
+        if self.prefix_cache is None:
+            return
+        full = req.num_computed_tokens // self.config.page_size
+        if full <= req.num_registered_pages:
+            return
+        self._ensure_hashes(req, full)
+        lo = req.num_registered_pages
+        self.prefix_cache.insert(req.page_hashes[lo:full], req.pages[lo:full])
+        req.num_registered_pages = full
+        start, end = req.inflight
+        done = min(max(start, full), end)
+        self._inflight_remove(req.page_hashes[start:done])
+        req.inflight = (done, end)
+
+    def _release_inflight(self, req: Request) -> None:
+        start, end = req.inflight
+        self._inflight_remove(req.page_hashes[start:end])
+        req.inflight = (0, 0)
+
+    def _inflight_remove(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            c = self._inflight[h] - 1
+            if c:
+                self._inflight[h] = c
+            else:
+                del self._inflight[h]
+
+    def _drop_pages(self, req: Request) -> None:
+        """Release a request's pages (last first, so the LRU evicts tails before shared heads)."""
+        self.allocator.decref(reversed(req.pages))
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.num_registered_pages = 0
+        self._release_inflight(req)
+
+    def _preempt(self, req: Request, ctx: _StepBuilder) -> None:
+        ctx.remove(req)
+        self._drop_pages(req)
+        self._running.remove(req)
+        heapq.heappush(self._free_slots, req.slot)
+        req.slot = None
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        ctx.preempted.append(req.request_id)
+        self._insert_waiting(req)
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        self._drop_pages(req)
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
+        else:
+            self._waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        del self._requests[req.request_id]
+        self._finished_since_plan.append(req.request_id)
+
+    def _insert_waiting(self, req: Request) -> None:
+        keys = [r.order_key for r in self._waiting]
+        self._waiting.insert(bisect.bisect_right(keys, req.order_key), req)
+
+    # -- stats and checks -----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        pc = self.prefix_cache
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_usage=self.allocator.usage,
+            num_free_pages=self.allocator.num_free,
+            num_cached_pages=self.allocator.num_cached,
+            prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens,
+            prefix_cache_query_tokens=pc.num_query_tokens if pc else 0,
+            prefix_cache_hit_tokens=pc.num_hit_tokens if pc else 0,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when pages, slots or queues are inconsistent."""
+        cfg, G = self.config, self.config.page_size
+        self.allocator.check_invariants()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+        live = self._waiting + self._running
+        assert len(live) == len(self._requests) == len({id(r) for r in live}), "queues and live map disagree"
+        assert all(self._requests[r.request_id] is r for r in live)
+        assert all(r.status is RequestStatus.WAITING for r in self._waiting)
+        assert all(r.status is RequestStatus.RUNNING for r in self._running)
+        assert [r.order_key for r in self._waiting] == sorted(r.order_key for r in self._waiting), "waiting unsorted"
+        assert len(self._running) <= cfg.max_num_seqs
+        slots = [r.slot for r in self._running]
+        assert len(set(slots)) == len(slots) and set(slots).isdisjoint(self._free_slots)
+        assert len(slots) + len(self._free_slots) == cfg.max_num_seqs, "slots leaked"
+        held = Counter(p for r in live for p in r.pages)
+        for p in range(cfg.num_pages):
+            assert self.allocator.refcount(p) == held[p], (
+                f"page {p}: refcount {self.allocator.refcount(p)} but held by {held[p]} live requests"
+            )
+        for r in live:
+            assert all(p is not None for p in r.pages)
+            assert len(r.pages) <= cfg.max_pages_per_seq, f"{r.request_id} has {len(r.pages)} pages"
+            assert len(set(r.pages)) == len(r.pages), f"{r.request_id} holds a page twice"
+            if self._outstanding is None:
+                assert len(r.pages) == _cdiv(r.num_computed_tokens, G), (
+                    f"{r.request_id}: {len(r.pages)} pages for {r.num_computed_tokens} computed tokens"
+                )
+            assert r.num_computed_tokens < r.num_tokens, f"{r.request_id} computed all its tokens"
+            assert r.num_output_tokens < r.max_tokens, f"{r.request_id} is live with {r.num_output_tokens} tokens"
+        inflight = Counter()
+        for r in self._running:
+            inflight.update(r.page_hashes[r.inflight[0] : r.inflight[1]])
+        assert self._inflight == inflight, "in-flight page hashes drifted"

@@ -1,0 +1,542 @@
+"""Scheduler tests against a simulated device.
+
+FakeDevice plays the model: it writes each scheduled token (and its position) into the pages of
+its sequence, then "attends" by reading positions [0, kv_len) back through the page list, and
+samples a token that is a hash of everything it read. So a wrong page table, a prefix-cache hit on
+the wrong page, or a shared page overwritten by a neighbour changes the outputs, and comparing with
+a request generated alone (reference_generate) catches it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.request import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 64
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    return hash(tuple(context)) % VOCAB
+
+
+def reference_generate(prompt, params: SamplingParams, eos=(EOS,), max_model_len=None):
+    """Greedy generation of one request alone, with the stop rules spelled out independently."""
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt)
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= params.min_tokens:
+            if t in eos and not params.ignore_eos:
+                return out, "stop"
+            if t in params.stop_token_ids:
+                return out, "stop"
+        if len(out) >= max_tokens:
+            return out, "length"
+
+
+class FakeDevice:
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        cfg = sched.config
+        self.G = cfg.page_size
+        self.kv = [[None] * cfg.page_size for _ in range(cfg.num_pages)]
+        self.refcounts = {}
+
+    def planned(self, plan) -> None:
+        """Call right after step(): pages written by a plan must be held by their sequence only
+        at that point (a fork made before the step runs may share them; it reads them later)."""
+        self.refcounts = {p: self.sched.allocator.refcount(p) for s in plan.seqs for p in s.pages}
+
+    def run(self, plan) -> list[int]:
+        G, cfg = self.G, self.sched.config
+        assert plan.num_tokens <= cfg.max_num_batched_tokens
+        assert plan.num_seqs <= cfg.max_num_seqs
+        assert len({s.slot for s in plan.seqs}) == plan.num_seqs
+        assert len({s.request_id for s in plan.seqs}) == plan.num_seqs
+        flags = [s.is_prefill for s in plan.seqs]
+        assert flags == sorted(flags), "decodes must come before prefill chunks"
+        assert plan.num_decode_tokens == sum(s.q_len for s in plan.seqs if not s.is_prefill)
+        # Like the model: every layer writes all new K/V before any sequence attends.
+        for s in plan.seqs:
+            assert s.q_len >= 1 and s.num_computed_after == s.start_pos + s.q_len
+            assert len(s.pages) == -(-s.num_computed_after // G) <= cfg.max_pages_per_seq
+            for i, t in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                page = s.pages[pos // G]
+                assert self.refcounts[page] == 1, f"write into shared page {page}"
+                self.kv[page][pos % G] = (t, pos)
+        out = []
+        for s in plan.seqs:
+            read = [self.kv[s.pages[p // G]][p % G] for p in range(s.kv_len)]
+            assert all(r is not None and r[1] == p for p, r in enumerate(read)), f"{s.request_id}: bad KV"
+            context = [r[0] for r in read]
+            req = self.sched.get_request(s.request_id)
+            assert context == req.token_ids[: s.kv_len], f"{s.request_id}: KV holds other tokens"
+            assert s.sample == (s.kv_len == req.num_tokens)
+            out.append(next_token(context) if s.sample else -1)
+        return out
+
+
+class Harness:
+    def __init__(self, **cfg):
+        cfg.setdefault("max_model_len", 256)
+        self.sched = Scheduler(SchedulerConfig(**cfg))
+        self.dev = FakeDevice(self.sched)
+        self.reqs = {}
+        self.plans = []
+
+    def add(self, rid, prompt, params=None, **kw):
+        params = params or SamplingParams(max_tokens=8)
+        self.reqs[rid] = self.sched.add_request(rid, prompt, params, eos_token_ids=[EOS], **kw)
+        return self.reqs[rid]
+
+    def step(self):
+        plan = self.sched.step()
+        self.dev.planned(plan)
+        self.plans.append(plan)
+        if not plan.is_empty:
+            self.sched.update_from_output(plan, self.dev.run(plan))
+        self.sched.check_invariants()
+        return plan
+
+    def run(self, max_steps=10_000):
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"requests still live after {max_steps} steps")
+
+    def check_all_exact(self):
+        for rid, r in self.reqs.items():
+            want = reference_generate(r.prompt_token_ids, r.sampling_params, max_model_len=self.sched.config.max_model_len)
+            assert (r.output_token_ids, r.finish_reason) == want, rid
+
+    def check_drained(self):
+        a = self.sched.allocator
+        assert a.num_referenced == 0 and a.num_free + a.num_cached == a.num_pages
+        assert self.sched.num_running == self.sched.num_waiting == 0
+
+
+def rand_prompt(rng, n):
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+# -- admission ----------------------------------------------------------------------------------
+def test_reject_at_once_names_both_numbers():
+    s = Scheduler(SchedulerConfig(num_pages=10, page_size=16, max_model_len=512))
+    with pytest.raises(ValueError, match=r"\b530\b.*\b512\b"):
+        s.add_request("a", [1] * 500, SamplingParams(max_tokens=30))
+    # 300 + 100 - 1 = 399 tokens with K/V -> 25 pages of 16; only 10 exist.
+    with pytest.raises(ValueError, match=r"\b25\b.*\b10 pages"):
+        s.add_request("b", [1] * 300, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="512"):
+        s.add_request("c", [1] * 512, SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match="0 tokens"):
+        s.add_request("d", [], SamplingParams())
+    s.add_request("e", [1] * 100, SamplingParams(max_tokens=61))  # exactly 10 pages: accepted
+    with pytest.raises(ValueError, match="already live"):
+        s.add_request("e", [1], SamplingParams())
+    assert s.num_waiting == 1
+    s.check_invariants()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(num_pages=8, max_model_len=64, max_num_seqs=32, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="chunked"):
+        SchedulerConfig(num_pages=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(num_pages=8, max_model_len=64, watermark=1.0)
+    cfg = SchedulerConfig(num_pages=8, max_model_len=65, page_size=16, watermark=0.25)
+    assert cfg.max_pages_per_seq == 5 and cfg.watermark_pages == 2
+
+
+def test_sampling_params_validation():
+    p = SamplingParams(top_k=-1, stop="###", stop_token_ids=[7], seed=3, logprobs=5)
+    assert p.top_k == 0 and p.stop == ["###"] and p.stop_token_ids == [7]
+    stops = ["a"]
+    q = SamplingParams(stop=stops)
+    stops.append("b")
+    assert q.stop == ["a"]
+    for bad in (
+        dict(temperature=-0.1),
+        dict(top_k=-2),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(min_p=-0.1),
+        dict(repetition_penalty=0.0),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(seed=1.5),
+        dict(logprobs=-1),
+        dict(stop=[""]),
+        dict(stop_token_ids=[-1]),
+        dict(min_tokens=5, max_tokens=4),
+        dict(max_tokens=0),
+        dict(n=0),
+    ):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5
+
+
+def test_watermark_holds_back_admission_while_others_run():
+    h = Harness(num_pages=10, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.2)
+    h.add("a", rand_prompt(random.Random(), 16), SamplingParams(max_tokens=4))  # 5 pages over its life
+    plan = h.step()
+    assert [s.request_id for s in plan.seqs] == ["a"]
+    # a's decode takes its 5th page first. b needs 3 prompt pages: 10 - 5 - 3 = 2 left, at the
+    # watermark of 2 -> admitted; c would leave -1, below the watermark, so it waits.
+    h.add("b", rand_prompt(random.Random(), 12), SamplingParams(max_tokens=2))
+    h.add("c", rand_prompt(random.Random(), 12), SamplingParams(max_tokens=2))
+    plan = h.step()
+    assert [s.request_id for s in plan.seqs] == ["a", "b"]
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
+
+
+# -- chunked prefill and step contents ---------------------------------------------------------
+def test_chunked_prefill_decodes_first_and_samples_only_at_prompt_end():
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=10, enable_prefix_caching=False)
+    h.add("short", rand_prompt(random.Random(), 3), SamplingParams(max_tokens=10))
+    h.step()
+    h.add("long", rand_prompt(random.Random(), 25), SamplingParams(max_tokens=3))
+    chunks = []
+    while h.reqs["long"].num_output_tokens == 0:
+        plan = h.step()
+        assert plan.seqs[0].request_id == "short" and not plan.seqs[0].is_prefill
+        long = [s for s in plan.seqs if s.request_id == "long"][0]
+        chunks.append((long.start_pos, long.q_len, long.sample))
+        assert plan.num_decode_tokens == 1 and plan.num_prefill_tokens == long.q_len
+    assert chunks == [(0, 9, False), (9, 9, False), (18, 7, True)]
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
+    assert h.sched.stats().prefill_tokens == 28
+
+
+def test_prefill_without_chunking_waits_for_a_whole_budget():
+    h = Harness(
+        num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32,
+        enable_chunked_prefill=False,
+    )
+    h.add("a", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5))
+    h.add("b", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5))
+    plan = h.step()
+    assert [(s.request_id, s.q_len) for s in plan.seqs] == [("a", 20)]
+    plan = h.step()
+    assert [(s.request_id, s.q_len) for s in plan.seqs] == [("a", 1), ("b", 20)]
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_step_contract_is_enforced():
+    h = Harness(num_pages=8, page_size=4)
+    h.add("a", [1, 2, 3])
+    plan = h.sched.step()
+    h.dev.planned(plan)
+    with pytest.raises(RuntimeError, match="outstanding"):
+        h.sched.step()
+    with pytest.raises(ValueError, match="sampled tokens"):
+        h.sched.update_from_output(plan, [])
+    h.sched.update_from_output(plan, h.dev.run(plan))
+    with pytest.raises(ValueError, match="outstanding"):
+        h.sched.update_from_output(plan, [5])
+    assert h.sched.step().is_empty is False
+
+
+# -- finishing ----------------------------------------------------------------------------------
+def test_stop_rules_eos_min_tokens_ignore_eos_stop_ids():
+    rng = random.Random(0)
+    prompts = [rand_prompt(rng, rng.randint(1, 9)) for _ in range(40)]
+    h = Harness(num_pages=512, page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(
+            max_tokens=40, min_tokens=i % 5, ignore_eos=i % 3 == 0, stop_token_ids=[1 + i % 7, 9]
+        )
+        h.add(f"r{i}", p, params)
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
+    reasons = {r.finish_reason for r in h.reqs.values()}
+    assert reasons == {"stop", "length"}
+    for r in h.reqs.values():
+        if r.finish_reason == "stop" and r.output_token_ids[-1] != EOS:
+            assert r.stop_reason == r.output_token_ids[-1]
+
+
+def test_finish_for_stop_strings_and_abort_free_pages_within_one_step():
+    h = Harness(num_pages=64, page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    a = h.add("a", rand_prompt(random.Random(), 10), SamplingParams(max_tokens=50, ignore_eos=True))
+    b = h.add("b", rand_prompt(random.Random(), 10), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        h.step()
+    used = h.sched.allocator.num_referenced
+    assert used == 2 * 3  # 12 computed tokens each
+    assert h.sched.abort("a") and not h.sched.abort("a")
+    assert h.sched.allocator.num_referenced == 3 and a.finish_reason == "abort"
+    plan = h.step()
+    assert plan.finished_ids == ("a",) and [s.request_id for s in plan.seqs] == ["b"]
+    assert h.sched.finish("b", "stop", "</s>")
+    assert (b.finish_reason, b.stop_reason) == ("stop", "</s>")
+    assert h.sched.step().finished_ids == ("b",)
+    h.check_drained()
+    ref, _ = reference_generate(b.prompt_token_ids, b.sampling_params)
+    assert b.output_token_ids == ref[: b.num_output_tokens]
+
+
+def test_abort_between_step_and_update_and_while_waiting():
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=1)
+    h.add("a", rand_prompt(random.Random(), 6))
+    h.add("b", rand_prompt(random.Random(), 6))
+    plan = h.sched.step()
+    h.dev.planned(plan)
+    tokens = h.dev.run(plan)
+    assert h.sched.abort("a") and h.sched.abort("b")
+    assert h.sched.update_from_output(plan, tokens) == []
+    h.sched.check_invariants()
+    h.check_drained()
+
+
+# -- prefix cache -------------------------------------------------------------------------------
+def shared_prefix_workload(caching: bool, n=32):
+    rng = random.Random(1234)
+    prefix = rand_prompt(rng, 900)
+    h = Harness(
+        num_pages=1024, page_size=16, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=1100,
+        enable_prefix_caching=caching,
+    )
+    for i in range(n):  # all arrive at once, as from LLM.generate(prompts)
+        h.add(f"r{i}", prefix + rand_prompt(rng, 100), SamplingParams(max_tokens=4, ignore_eos=True))
+    h.run()
+    h.check_drained()
+    return h
+
+
+def test_prefix_cache_cuts_prefill_by_85_percent_with_identical_outputs():
+    on, off = shared_prefix_workload(True), shared_prefix_workload(False)
+    s_on, s_off = on.sched.stats(), off.sched.stats()
+    assert s_off.prefill_tokens == 32 * 1000
+    assert s_on.prefill_tokens <= 0.15 * s_off.prefill_tokens, (s_on, s_off)
+    assert s_on.prefix_cache_hit_tokens == s_off.prefill_tokens - s_on.prefill_tokens
+    assert s_on.prefix_cache_query_tokens == 32 * 1000 and s_on.prefix_cache_hit_rate > 0.85
+    for rid in on.reqs:
+        assert on.reqs[rid].output_token_ids == off.reqs[rid].output_token_ids
+    on.check_all_exact()
+    assert sum(r.num_cached_tokens for r in on.reqs.values()) == s_on.prefix_cache_hit_tokens
+
+
+def test_same_step_arrivals_wait_for_the_shared_page_instead_of_recomputing_it():
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    p = rand_prompt(random.Random(), 14)
+    h.add("a", p)
+    h.add("b", p)
+    h.add("c", rand_prompt(random.Random(), 5))
+    plan = h.step()
+    assert [s.request_id for s in plan.seqs] == ["a", "c"]  # b waits one step for a's pages
+    plan = h.step()
+    b = [s for s in plan.seqs if s.request_id == "b"][0]
+    assert (b.start_pos, b.q_len) == (12, 2) and h.reqs["b"].num_cached_tokens == 12
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_cache_salt_prevents_sharing():
+    h = Harness(num_pages=64, page_size=4)
+    p = rand_prompt(random.Random(), 13)
+    h.add("a", p, cache_salt="t1")
+    h.run()
+    h.add("b", p, cache_salt="t2")
+    h.add("c", p, cache_salt="t1")
+    h.run()
+    assert h.reqs["b"].num_cached_tokens == 0 and h.reqs["c"].num_cached_tokens == 12
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_generated_tokens_are_cached_for_follow_up_turns():
+    h = Harness(num_pages=64, page_size=4)
+    a = h.add("a", rand_prompt(random.Random(), 5), SamplingParams(max_tokens=12, ignore_eos=True))
+    h.run()
+    turn2 = a.token_ids + [3, 4, 5]  # the next turn of a chat repeats the whole conversation
+    b = h.add("b", turn2, SamplingParams(max_tokens=2))
+    h.run()
+    assert b.num_cached_tokens == 16  # 16 of a's 16 computed tokens (its last sample is not computed)
+    h.check_all_exact()
+
+
+# -- preemption and priority ------------------------------------------------------------------
+def test_recompute_preemption_on_a_tiny_pool_keeps_outputs():
+    h = Harness(num_pages=8, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, watermark=0.0)
+    rng = random.Random(7)
+    for i in range(4):
+        h.add(f"r{i}", rand_prompt(rng, 6), SamplingParams(max_tokens=20, ignore_eos=True))
+    h.run()
+    stats = h.sched.stats()
+    assert stats.num_preemptions > 0
+    preempted = [rid for p in h.plans for rid in p.preempted_ids]
+    assert preempted and preempted[0] == "r3"  # the latest arrival goes first
+    assert sum(r.num_preemptions for r in h.reqs.values()) == stats.num_preemptions
+    h.check_all_exact()
+    h.check_drained()
+    assert stats.prefill_tokens > 4 * 6  # the preempted work was computed again
+
+
+def test_priority_orders_admission_and_picks_the_victim():
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=1)
+    h.add("low", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), priority=5)
+    h.add("high", [5, 6, 8], SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
+    h.add("high2", [5, 6, 9], SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
+    order = []
+    while h.sched.has_unfinished():
+        plan = h.step()
+        order += [s.request_id for s in plan.seqs if s.request_id not in order]
+    assert order == ["high", "high2", "low"]
+
+    # A low-priority request that arrived first is preempted for a high-priority one.
+    h = Harness(num_pages=6, page_size=4, max_num_seqs=2, max_num_batched_tokens=32, watermark=0.0)
+    rng = random.Random(3)
+    h.add("old-low", rand_prompt(rng, 8), SamplingParams(max_tokens=12, ignore_eos=True), priority=1)
+    h.step()
+    h.add("new-high", rand_prompt(rng, 8), SamplingParams(max_tokens=12, ignore_eos=True), priority=0)
+    h.run()
+    preempted = [rid for p in h.plans for rid in p.preempted_ids]
+    assert preempted and set(preempted) == {"old-low"}
+    assert h.reqs["new-high"].num_preemptions == 0
+    h.check_all_exact()
+    h.check_drained()
+
+
+# -- n > 1 ------------------------------------------------------------------------------------
+def test_fork_shares_prompt_pages_and_recomputes_only_the_tail():
+    for caching in (False, True):
+        h = Harness(num_pages=64, page_size=4, max_num_seqs=4, enable_prefix_caching=caching)
+        parent = h.add("p", rand_prompt(random.Random(), 14), SamplingParams(max_tokens=6, ignore_eos=True, n=3))
+        plan = h.sched.step()
+        h.dev.planned(plan)
+        assert plan.seqs[0].sample  # the prompt's last chunk: fork now
+        kids = h.sched.fork("p", ["p#1", "p#2"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=6)])
+        shared = parent.pages[:3]
+        assert all(k.pages == shared for k in kids)
+        assert all(h.sched.allocator.refcount(pg) == 3 for pg in shared)
+        h.sched.update_from_output(plan, h.dev.run(plan))
+        h.sched.check_invariants()
+        plan = h.step()
+        tails = {s.request_id: (s.start_pos, s.q_len) for s in plan.seqs if s.request_id != "p"}
+        assert tails == {"p#1": (12, 2), "p#2": (12, 2)}
+        h.reqs.update({k.request_id: k for k in kids})
+        h.run()
+        h.check_all_exact()
+        h.check_drained()
+        with pytest.raises(KeyError, match="not live"):
+            h.sched.fork("p", ["late"])
+
+
+# -- random workloads -----------------------------------------------------------------------------
+request_st = st.fixed_dictionaries(
+    {
+        "arrive": st.integers(0, 30),
+        "base": st.integers(0, 3),  # 0: no shared prefix
+        "prefix_len": st.integers(0, 24),
+        "suffix_len": st.integers(1, 20),
+        "max_tokens": st.integers(1, 24),
+        "min_tokens": st.integers(0, 3),
+        "ignore_eos": st.booleans(),
+        "priority": st.integers(0, 2),
+        "salt": st.sampled_from([None, None, "x"]),
+        "abort_at": st.one_of(st.none(), st.integers(0, 60)),
+        "stop_string_at": st.one_of(st.none(), st.integers(1, 10)),
+        "forks": st.integers(0, 2),
+    }
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page_size=st.sampled_from([1, 2, 4, 8]),
+    num_pages=st.integers(6, 48),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(6, 40),
+    watermark=st.sampled_from([0.0, 0.05, 0.2]),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    requests=st.lists(request_st, min_size=1, max_size=14),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workload_invariants_and_exactness(
+    page_size, num_pages, max_num_seqs, budget, watermark, caching, chunked, requests, seed
+):
+    max_model_len = 48
+    if not chunked:
+        budget = max(budget, max_model_len)
+    h = Harness(
+        num_pages=num_pages, page_size=page_size, max_num_seqs=min(max_num_seqs, budget),
+        max_num_batched_tokens=budget, max_model_len=max_model_len, watermark=watermark,
+        enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+    )
+    rng = random.Random(seed)
+    bases = [None] + [rand_prompt(rng, 24) for _ in range(3)]
+    pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive"])
+    cut = {}  # request id -> why its output may stop short of the reference
+    step = 0
+    while pending or h.sched.has_unfinished():
+        assert step < 3000, "workload did not drain"
+        while pending and pending[0][1]["arrive"] <= step:
+            i, spec = pending.pop(0)
+            prompt = (bases[spec["base"]][: spec["prefix_len"]] if spec["base"] else []) + rand_prompt(
+                rng, spec["suffix_len"]
+            )
+            params = SamplingParams(
+                max_tokens=spec["max_tokens"], min_tokens=min(spec["min_tokens"], spec["max_tokens"]),
+                ignore_eos=spec["ignore_eos"], n=1 + spec["forks"],
+            )
+            kv_pages = -(-(len(prompt) + params.max_tokens - 1) // page_size)
+            if len(prompt) + params.max_tokens > max_model_len or kv_pages > num_pages:
+                with pytest.raises(ValueError):
+                    h.sched.add_request(f"r{i}", prompt, params)
+                continue
+            h.add(f"r{i}", prompt, params, priority=spec["priority"], cache_salt=spec["salt"])
+        for rid, r in list(h.reqs.items()):
+            spec = requests[int(rid[1:].split("#")[0])]
+            if spec["abort_at"] == step and not r.is_finished:
+                assert h.sched.abort(rid)
+                cut[rid] = "abort"
+                assert h.sched.get_request(rid) is None
+            elif spec["stop_string_at"] is not None and r.num_output_tokens == spec["stop_string_at"] and not r.is_finished:
+                assert h.sched.finish(rid, "stop", "STOP")
+                cut[rid] = "stop"
+        plan = h.sched.step()
+        h.dev.planned(plan)
+        h.plans.append(plan)
+        for s in plan.seqs:
+            r = h.reqs[s.request_id]
+            if s.sample and r.num_output_tokens == 0 and r.parent_id is None and r.sampling_params.n > 1:
+                kids = h.sched.fork(s.request_id, [f"{s.request_id}#{j}" for j in range(1, r.sampling_params.n)])
+                h.reqs.update({k.request_id: k for k in kids})
+        if not plan.is_empty:
+            h.sched.update_from_output(plan, h.dev.run(plan))
+        h.sched.check_invariants()
+        step += 1
+    h.check_drained()
+    for rid, r in h.reqs.items():
+        assert r.is_finished
+        want, reason = reference_generate(r.prompt_token_ids, r.sampling_params)
+        if rid in cut:
+            assert r.finish_reason == cut[rid]
+            assert r.output_token_ids == want[: r.num_output_tokens], rid
+        else:
+            assert (r.output_token_ids, r.finish_reason) == (want, reason), rid
