@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 def _token_seq_ids(cu_q_lens, num_seqs, T):
@@ -90,3 +91,26 @@ def ref_ragged_paged_attention(
 
     out = jax.lax.fori_loop(0, S, one_seq, jnp.zeros((T, K, N // K, H), jnp.float32))
     return out.reshape(T, N, H).astype(q.dtype)
+
+
+def ref_cost_estimate(q, kv_pages, page_indices, *, soft_cap=None) -> pl.CostEstimate:
+    """The work the reference's math implies for these shapes, as a static upper bound.
+
+    Every query token attends to at most P_max * G keys (4 flops per key and head dim: QK^T and PV;
+    one exp per logit, one tanh more with a soft cap); KV is read once per sequence, so at most
+    min(P, S * P_max) pages; q is read and the output written once. Kernels pass this to
+    pallas_call so XLA can schedule around them.
+    """
+    T, N, H = q.shape
+    P, G, K2, _ = kv_pages.shape
+    S, P_max = page_indices.shape
+    keys = P_max * G
+    itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    kv_bytes = min(P, S * P_max) * G * K2 * H * itemsize
+    qo_bytes = 2 * T * N * H * jnp.dtype(q.dtype).itemsize
+    meta_bytes = 4 * (page_indices.size + 2 * S + 2)
+    return pl.CostEstimate(
+        flops=int(4 * T * N * H * keys),
+        transcendentals=int(T * N * keys * (2 if soft_cap is not None else 1)),
+        bytes_accessed=int(kv_bytes + qo_bytes + meta_bytes),
+    )
