@@ -145,11 +145,12 @@ def unescape_invalid(text: str) -> str:
 
 class IncrementalDetokenizer:
     """Streams text for a growing token sequence: the concatenation of every `step` result and
-    `flush()` equals `decode(prompt_ids + all ids stepped)[len(decode(prompt_ids)):]`, i.e. exactly
-    the full decode when there is no prompt.
+    `flush()` equals the full decode of all ids stepped.
 
-    `prompt_ids` are consumed without producing text. They matter: after a prompt, the first
-    generated "▁Paris" is " Paris", not the "Paris" it would be at the start of a text.
+    `prompt_ids` are consumed without producing text; the outputs are then the tail of
+    `decode(prompt_ids + generated)` after `decode(prompt_ids)` (when the prompt ends inside a UTF-8
+    character, the first ids that complete it emit the whole character). The prompt matters:
+    after it, the first generated "▁Paris" is " Paris", not the "Paris" that starts a text.
     """
 
     def __init__(self, table: PieceTable, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
