@@ -1,0 +1,197 @@
+"""Attention kernel benchmarks on one GPU, with the device's own ceilings measured in the same run.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 scripts/bench_kernels.py --out bench.json
+
+Prints a short table per section and writes everything to --out as JSON:
+  ceilings: copy bandwidth (bytes read + written per second, large jitted elementwise op) and the
+            bf16 8192^3 matmul rate through XLA;
+  prefill:  causal bf16 flash attention TFLOP/s at B=4, N=32, K=8, H=128 for each T, our kernels
+            next to jax.nn.dot_product_attention(implementation="cudnn") and "xla"; causal flops
+            counted as 4 * B * N * T * T * H / 2;
+  decode:   filled by the ragged-paged-attention kernel (bench_decode).
+Timing: warm-up, block_until_ready, median over repetitions of back-to-back calls, XLA's default
+preallocation kept (CONVENTIONS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.flash_attention import BlockSizes, flash_attention, ref_flash_attention  # noqa: E402
+
+
+def time_call(f, *args, min_rep_s: float = 0.05, reps: int = 7) -> float:
+    """Median seconds per call of f(*args): warmed up, back-to-back calls per repetition."""
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(1, min(200, int(min_rep_s / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Device copy bandwidth (bytes read + written / s) and bf16 8192^3 matmul TFLOP/s."""
+    key = jax.random.key(0)
+    n = 1 << 28  # 1 GiB of f32
+    x = jax.random.normal(key, (n,), jnp.float32)
+    copy = jax.jit(lambda a: a * 2.0)
+    t_copy = time_call(copy, x)
+    del x
+    m = 8192
+    a = jax.random.normal(key, (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    t_mm = time_call(mm, a, b)
+    return {"copy_bytes_per_s": 2 * n * 4 / t_copy, "copy_gbytes": 2 * n * 4 / 1e9, "copy_s": t_copy,
+            "matmul_tflops": 2 * m ** 3 / t_mm / 1e12, "matmul_s": t_mm}
+
+
+def _prefill_impls(sm_scale: float, variants: bool):
+    impls = {
+        "ours_mosaic": lambda q, k, v: flash_attention(q, k, v, sm_scale=sm_scale, implementation="mosaic_gpu"),
+        "ours_triton": lambda q, k, v: flash_attention(q, k, v, sm_scale=sm_scale, implementation="triton"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True,
+                                                              implementation="cudnn"),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True,
+                                                            implementation="xla"),
+    }
+    if variants:
+        for bkv, st in ((64, 2), (64, 3), (64, 4), (128, 3)):
+            bs = BlockSizes(block_q=64, block_kv=bkv, num_stages=st)
+            impls[f"mosaic_64x{bkv}_s{st}"] = (lambda bs: lambda q, k, v: flash_attention(
+                q, k, v, sm_scale=sm_scale, block_sizes=bs, implementation="mosaic_gpu"))(bs)
+        for bq, bk, w, st in ((128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4)):
+            bs = BlockSizes(block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
+            impls[f"triton_{bq}x{bk}_w{w}_s{st}"] = (lambda bs: lambda q, k, v: flash_attention(
+                q, k, v, sm_scale=sm_scale, block_sizes=bs, implementation="triton"))(bs)
+    return impls
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def bench_prefill(seq_lens=(1024, 4096, 16384), *, B=4, N=32, K=8, H=128, variants_at=(), ceilings=None) -> list[dict]:
+    """Causal bf16 prefill TFLOP/s per implementation and T; rel. error vs an f32 reference
+    (T <= 1024) or vs cuDNN (larger T)."""
+    sm_scale = 1.0 / math.sqrt(H)
+    rows = []
+    for T in seq_lens:
+        key = jax.random.key(T)
+        kq, kk, kv = jax.random.split(key, 3)
+        q = jax.random.normal(kq, (B, T, N, H), jnp.bfloat16)
+        k = jax.random.normal(kk, (B, T, K, H), jnp.bfloat16)
+        v = jax.random.normal(kv, (B, T, K, H), jnp.bfloat16)
+        flops = 4 * B * N * T * T * H / 2
+        ref = None
+        if T <= 1024:
+            ref = jax.jit(lambda q, k, v: ref_flash_attention(q, k, v, sm_scale=sm_scale))(q, k, v)
+        for name, fn in _prefill_impls(sm_scale, T in variants_at).items():
+            row = {"T": T, "impl": name, "B": B, "N": N, "K": K, "H": H}
+            if name == "xla" and B * N * T * T * 4 * 3 > 40e9:  # materialized f32 scores would not fit
+                row["error"] = "skipped: XLA materializes [B, N, T, T] scores"
+                rows.append(row)
+                continue
+            try:
+                f = jax.jit(fn)
+                out = jax.block_until_ready(f(q, k, v))
+                if ref is None and name != "cudnn":
+                    ref = jax.jit(_prefill_impls(sm_scale, False)["cudnn"])(q, k, v)
+                    row["err_vs"] = "cudnn"
+                if ref is not None:
+                    row["rel_err"] = _rel_err(out, ref)
+                    row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+                t = time_call(f, q, k, v)
+                row.update(seconds=t, tflops=flops / t / 1e12)
+                if ceilings:
+                    row["frac_of_matmul"] = row["tflops"] / ceilings["matmul_tflops"]
+            except Exception as e:  # a failing implementation is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            rows.append(row)
+            print(_fmt_prefill_row(row), flush=True)
+        del q, k, v, ref
+    return rows
+
+
+def bench_decode(ceilings=None) -> list[dict]:
+    """Decode attention GB/s over a paged KV cache (64 x 4k and 8 x 32k contexts, K=8, H=128,
+    pages of 16 and 64), as a fraction of the measured copy bandwidth: owned by the
+    ragged-paged-attention kernel, which replaces this function; until then it reports no rows."""
+    del ceilings
+    return []
+
+
+def _fmt_prefill_row(r: dict) -> str:
+    if "error" in r:
+        return f"T={r['T']:>6} {r['impl']:<24} {r['error']}"
+    err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+    frac = f"{r['frac_of_matmul']:.0%}" if "frac_of_matmul" in r else "-"
+    return (f"T={r['T']:>6} {r['impl']:<24} {r['seconds'] * 1e3:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
+            f"({frac} of matmul)  rel_err {err}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL, cwd=Path(__file__).parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("XLASERVE_COMMIT", "unknown")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--seq-lens", default="1024,4096,16384")
+    ap.add_argument("--sweep-at", default="", help="comma-separated T values at which block-size variants also run")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: prefill,decode")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    dev = jax.devices()[0]
+    result = {"device": dev.device_kind, "jax": jax.__version__, "commit": _commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python3", "scripts/bench_kernels.py", *(argv if argv is not None else sys.argv[1:])])}
+    print(f"{result['device']}  jax {result['jax']}  commit {result['commit']}", flush=True)
+    ceilings = measure_ceilings()
+    result["ceilings"] = ceilings
+    print(f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s   bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
+          flush=True)
+    if "prefill" not in skip:
+        seq = tuple(int(s) for s in args.seq_lens.split(","))
+        sweep = tuple(int(s) for s in args.sweep_at.split(",") if s)
+        result["prefill"] = bench_prefill(seq, variants_at=sweep, ceilings=ceilings)
+    if "decode" not in skip:
+        result["decode"] = bench_decode(ceilings)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("\n== prefill (causal bf16, B=4 N=32 K=8 H=128) ==")
+    for r in result.get("prefill", []):
+        print(_fmt_prefill_row(r))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
