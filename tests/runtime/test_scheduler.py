@@ -193,13 +193,16 @@ def test_sampling_params_validation():
 
 def test_watermark_holds_back_admission_while_others_run():
     h = Harness(num_pages=10, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.2)
-    h.add("a", rand_prompt(random.Random(), 16), SamplingParams(max_tokens=4))  # 5 pages over its life
+    h.add("a", rand_prompt(random.Random(), 16), SamplingParams(max_tokens=4, ignore_eos=True))
     plan = h.step()
     assert [s.request_id for s in plan.seqs] == ["a"]
     # a's decode takes its 5th page first. b needs 3 prompt pages: 10 - 5 - 3 = 2 left, at the
-    # watermark of 2 -> admitted; c would leave -1, below the watermark, so it waits.
-    h.add("b", rand_prompt(random.Random(), 12), SamplingParams(max_tokens=2))
-    h.add("c", rand_prompt(random.Random(), 12), SamplingParams(max_tokens=2))
+    # watermark of 2 -> admitted; c's 2 pages would fit but leave 0, below the watermark: it waits.
+    h.add("b", rand_prompt(random.Random(), 12), SamplingParams(max_tokens=2, ignore_eos=True))
+    h.add("c", rand_prompt(random.Random(), 8), SamplingParams(max_tokens=2, ignore_eos=True))
+    plan = h.step()
+    assert [s.request_id for s in plan.seqs] == ["a", "b"]
+    assert h.sched.allocator.num_available == 2
     plan = h.step()
     assert [s.request_id for s in plan.seqs] == ["a", "b"]
     h.run()
@@ -210,7 +213,7 @@ def test_watermark_holds_back_admission_while_others_run():
 # -- chunked prefill and step contents ---------------------------------------------------------
 def test_chunked_prefill_decodes_first_and_samples_only_at_prompt_end():
     h = Harness(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=10, enable_prefix_caching=False)
-    h.add("short", rand_prompt(random.Random(), 3), SamplingParams(max_tokens=10))
+    h.add("short", rand_prompt(random.Random(), 3), SamplingParams(max_tokens=10, ignore_eos=True))
     h.step()
     h.add("long", rand_prompt(random.Random(), 25), SamplingParams(max_tokens=3))
     chunks = []
@@ -232,8 +235,8 @@ def test_prefill_without_chunking_waits_for_a_whole_budget():
         num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32,
         enable_chunked_prefill=False,
     )
-    h.add("a", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5))
-    h.add("b", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5))
+    h.add("a", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5, ignore_eos=True))
+    h.add("b", rand_prompt(random.Random(), 20), SamplingParams(max_tokens=5, ignore_eos=True))
     plan = h.step()
     assert [(s.request_id, s.q_len) for s in plan.seqs] == [("a", 20)]
     plan = h.step()
@@ -245,7 +248,7 @@ def test_prefill_without_chunking_waits_for_a_whole_budget():
 
 def test_step_contract_is_enforced():
     h = Harness(num_pages=8, page_size=4)
-    h.add("a", [1, 2, 3])
+    h.add("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     plan = h.sched.step()
     h.dev.planned(plan)
     with pytest.raises(RuntimeError, match="outstanding"):
@@ -286,6 +289,8 @@ def test_finish_for_stop_strings_and_abort_free_pages_within_one_step():
         h.step()
     used = h.sched.allocator.num_referenced
     assert used == 2 * 3  # 12 computed tokens each
+    st_ = h.sched.stats()
+    assert (st_.kv_usage, st_.num_running, st_.num_waiting) == (6 / 64, 2, 0)
     assert h.sched.abort("a") and not h.sched.abort("a")
     assert h.sched.allocator.num_referenced == 3 and a.finish_reason == "abort"
     plan = h.step()
@@ -377,6 +382,21 @@ def test_generated_tokens_are_cached_for_follow_up_turns():
     h.run()
     assert b.num_cached_tokens == 16  # 16 of a's 16 computed tokens (its last sample is not computed)
     h.check_all_exact()
+
+
+def test_finished_sequences_are_evicted_tail_first():
+    h = Harness(num_pages=4, page_size=4, watermark=0.0)
+    p = rand_prompt(random.Random(), 13)
+    h.add("a", p, SamplingParams(max_tokens=1))  # 13 computed tokens: 3 full pages cached
+    h.run()
+    assert h.sched.allocator.num_cached == 3
+    h.add("b", rand_prompt(random.Random(), 8), SamplingParams(max_tokens=1))  # evicts one page
+    h.run()
+    c = h.add("c", p, SamplingParams(max_tokens=1))
+    h.run()
+    assert c.num_cached_tokens == 8  # a's head survived; its tail page went first
+    h.check_all_exact()
+    h.check_drained()
 
 
 # -- preemption and priority ------------------------------------------------------------------
