@@ -2,6 +2,8 @@
 
 Each step() returns a StepPlan; the engine packs it into fixed-shape arrays, runs the step, and
 hands the sampled tokens back through update_from_output(plan, tokens) before the next step().
+Every plan with sequences must be run: pages it names may be shared (by fork) or reused on the
+strength of it. Not thread-safe: call everything (abort included) from the engine's loop.
 
 Policy (per step, within max_num_seqs slots and a max_num_batched_tokens budget):
   1. running decodes, one token each, in priority order;
@@ -199,6 +201,7 @@ class Scheduler:
         self._num_forks = 0
         self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
         self._outstanding: StepPlan | None = None
+        self._outstanding_reqs: list[Request] = []  # aligned with _outstanding.seqs
         self._finished_since_plan: list[str] = []
         self._num_steps = 0
         self._prefill_tokens = 0
@@ -407,6 +410,7 @@ class Scheduler:
         self._decode_tokens += n_decode
         if seqs:
             self._outstanding = plan
+            self._outstanding_reqs = [e[0] for e in ctx.entries.values()]
         return plan
 
     def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence[int]) -> list[SeqUpdate]:
@@ -416,12 +420,11 @@ class Scheduler:
             raise ValueError(f"plan {plan.step_id} is not the outstanding plan")
         if len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} scheduled sequences")
-        self._outstanding = None
+        reqs, self._outstanding, self._outstanding_reqs = self._outstanding_reqs, None, []
         updates = []
-        for seq, token in zip(plan.seqs, sampled_token_ids):
-            req = self._requests.get(seq.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # finished or aborted after the plan was made
+        for seq, req, token in zip(plan.seqs, reqs, sampled_token_ids):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted after the plan was made (its id may be reused)
             req.num_computed_tokens = seq.num_computed_after
             self._register_pages(req)
             if not seq.sample:

@@ -565,3 +565,18 @@ def test_random_workload_invariants_and_exactness(
             assert r.output_token_ids == want[: r.num_output_tokens], rid
         else:
             assert (r.output_token_ids, r.finish_reason) == (want, reason), rid
+
+
+def test_an_aborted_id_reused_before_the_update_is_a_new_request():
+    h = Harness(num_pages=16, page_size=4)
+    h.add("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    plan = h.sched.step()
+    h.dev.planned(plan)
+    tokens = h.dev.run(plan)
+    h.sched.abort("a")
+    fresh = h.add("a", [4, 5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert h.sched.update_from_output(plan, tokens) == []
+    assert fresh.num_computed_tokens == 0 and fresh.output_token_ids == []
+    h.run()
+    h.check_all_exact()
+    h.check_drained()
