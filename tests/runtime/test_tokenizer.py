@@ -112,35 +112,39 @@ def test_ggml_vocab_special_tokens():
     )
 
 
-def test_gguf_metadata_reader_matches_gguf_package():
-    from gguf import GGUFReader
-
-    path = _ggml_path("llama-spm")
-    ours = read_gguf_metadata(path)
-    reader = GGUFReader(path)
-    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    assert ours.keys() == theirs.keys()
-    for k, v in theirs.items():
-        if isinstance(v, list) and v and isinstance(v[0], float):
-            np.testing.assert_array_equal(np.float32(ours[k]), np.float32(v), err_msg=k)
-        else:
-            assert ours[k] == v, k
-
-
-def test_gguf_metadata_reader_big_endian(tmp_path):
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_gguf_metadata_reader_matches_gguf_package(tmp_path, endian):
     import gguf
 
-    path = tmp_path / "be.gguf"
-    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
-    w.add_uint32("test.u32", 123456)
-    w.add_array("test.strings", ["a", "ß", ""])
-    w.add_array("test.floats", [1.5, -2.0])
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian[endian])
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "ünïcode ▁ 🦙")
+    w.add_array("t.strings", ["a", "ß", "", "Ġab"])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [1.5, -2.25])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.nested", [[1, 2], [3]])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    meta = read_gguf_metadata(path)
-    assert meta["test.u32"] == 123456 and meta["test.strings"] == ["a", "ß", ""]
-    assert meta["test.floats"] == [1.5, -2.0] and meta["general.architecture"] == "llama"
+    ours = read_gguf_metadata(path)
+    theirs = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    assert ours.keys() == theirs.keys() and len(ours) == 18
+    for k, v in theirs.items():
+        if k != "t.nested":  # GGUFReader.contents() flattens arrays of arrays
+            assert np.array_equal(np.asarray(ours[k], dtype=object), np.asarray(v, dtype=object)), k
+    assert ours["t.str"] == "ünïcode ▁ 🦙" and ours["t.nested"] == [[1, 2], [3]] and ours["t.u64"] == 2**63
 
 
 def test_gguf_spm_equals_sentencepiece_model():
@@ -433,9 +437,13 @@ def qwen2_dir(tmp_path_factory) -> Path:
     return d
 
 
-def test_pretrained_dir_tokenizer_json(qwen2_dir, transformers_mod):
-    ours = Tokenizer.from_pretrained_dir(qwen2_dir)
-    hf = transformers_mod.AutoTokenizer.from_pretrained(qwen2_dir)
+@pytest.fixture(scope="module")
+def qwen2_pair(qwen2_dir, transformers_mod):
+    return Tokenizer.from_pretrained_dir(qwen2_dir), transformers_mod.AutoTokenizer.from_pretrained(qwen2_dir)
+
+
+def test_pretrained_dir_tokenizer_json(qwen2_pair):
+    ours, hf = qwen2_pair
     assert ours.eos_ids == (151645, 151643) and ours.pad_id == 151643 and ours.bos_id is None
     for text in ["Hello world", *[t for t, _ in _ggml_cases("qwen2")[::5]], "<|im_start|>user\nhi<|im_end|>"]:
         assert ours.encode(text) == hf.encode(text)
@@ -448,9 +456,8 @@ def test_pretrained_dir_tokenizer_json(qwen2_dir, transformers_mod):
 
 @pytest.mark.parametrize("gen_prompt", [True, False])
 @pytest.mark.parametrize("tools", [None, TOOLS])
-def test_chat_template_matches_transformers(qwen2_dir, transformers_mod, gen_prompt, tools):
-    ours = Tokenizer.from_pretrained_dir(qwen2_dir)
-    hf = transformers_mod.AutoTokenizer.from_pretrained(qwen2_dir)
+def test_chat_template_matches_transformers(qwen2_pair, gen_prompt, tools):
+    ours, hf = qwen2_pair
     kwargs = {"tools": tools, "date": "26 Jul 2024"}
     expected = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen_prompt, **kwargs)
     got = ours.apply_chat_template(CHAT, add_generation_prompt=gen_prompt, **kwargs)
@@ -458,22 +465,23 @@ def test_chat_template_matches_transformers(qwen2_dir, transformers_mod, gen_pro
     assert '"Grüße, \\"quoted\\" <b>tag</b> 東京"' in got  # tojson: no HTML escaping, no \\u escapes
 
 
-def test_chat_template_errors(qwen2_dir):
+def test_chat_template_errors(tmp_path):
     from jinja2.exceptions import SecurityError, TemplateError
 
-    ours = Tokenizer.from_pretrained_dir(qwen2_dir)
+    (tmp_path / "tokenizer.model").symlink_to(_llama2_model_path())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    ours = Tokenizer.from_pretrained_dir(tmp_path)
+    assert ours.apply_chat_template(CHAT[1:2]).startswith('<s><|im_start|>user "Grüße')
     with pytest.raises(TemplateError, match="unknown role tool"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="no chat template"):
         _llama2().apply_chat_template(CHAT)
-    (qwen2_dir / "chat_template.jinja").write_text("{{ messages.append(1) }}{{ strftime_now('%Y') }}")
-    try:
-        with pytest.raises(SecurityError):  # the sandbox forbids mutating the caller's list
-            Tokenizer.from_pretrained_dir(qwen2_dir).apply_chat_template(CHAT)
-        (qwen2_dir / "chat_template.jinja").write_text("{{ strftime_now('%Y') | length }}")
-        assert Tokenizer.from_pretrained_dir(qwen2_dir).apply_chat_template(CHAT) == "4"
-    finally:
-        (qwen2_dir / "chat_template.jinja").unlink()
+    # chat_template.jinja wins over tokenizer_config.json, as in transformers
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.append(1) }}")
+    with pytest.raises(SecurityError):  # the sandbox forbids mutating the caller's list
+        Tokenizer.from_pretrained_dir(tmp_path).apply_chat_template(CHAT)
+    (tmp_path / "chat_template.jinja").write_text("{{ strftime_now('%Y') | length }}")
+    assert Tokenizer.from_pretrained_dir(tmp_path).apply_chat_template(CHAT) == "4"
 
 
 def test_pretrained_dir_llama_style_tokenizer_json(tmp_path, transformers_mod):
