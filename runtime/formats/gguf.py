@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from models.config import ModelConfig, RopeScaling, rope_inv_freq
@@ -50,6 +50,29 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES and kind in ("weight", "bias") else None
 
 
+class _Truncated(Exception):
+    pass
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that names the first tensor whose data lies past the end of the file (the plain
+    reader fails on it with a bare numpy reshape error)."""
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            qtype = Q(int(raw_type[0]))
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise _Truncated(
+                    f"truncated: tensor {bytes(name).decode(errors='replace')!r} ({qtype.name}, ggml shape "
+                    f"{dims.tolist()}) ends at byte {end} but the file has {size} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 def _f32(x) -> float:
     """A GGUF float32 as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(x)))
@@ -65,9 +88,15 @@ class GGUFSource:
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: GGUF file does not exist")
         try:
-            self._reader = GGUFReader(self.path)
+            self._reader = _Reader(self.path)
+        except _Truncated as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
         except (ValueError, KeyError, IndexError, OSError) as e:
-            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            size = self.path.stat().st_size
+            raise CheckpointError(
+                f"{self.path}: not a readable GGUF file of {size} bytes; truncated or corrupt? "
+                f"({type(e).__name__}: {e})"
+            ) from None
         self.arch = self._meta("general.architecture", required=True)
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(

@@ -59,3 +59,20 @@ def greedy_generate(
                           meta([pos + 1], [1]))
         last = np.asarray(logits[0], np.float32)
     return GreedyResult(tokens, prompt_logits, np.stack(step_logits))
+
+
+def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """The same greedy loop on a HF transformers causal LM (its own KV cache): generated ids and the
+    f32[n, V] logits each was chosen from. No EOS stop, unlike `generate`, so runs compare in full."""
+    import torch
+
+    seq, past, logits = list(prompt), None, []
+    x = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(x, past_key_values=past, use_cache=True)
+            past, last = out.past_key_values, out.logits[0, -1].float()
+            logits.append(last.numpy())
+            seq.append(int(last.argmax()))
+            x = torch.tensor([[seq[-1]]])
+    return seq[len(prompt):], np.stack(logits)

@@ -1,0 +1,376 @@
+"""GGUF loading: every supported quant type dequantizes exactly, llama/qwen2 layouts match HF
+transformers, SmolLM2-135M (a real Q4_1 GGUF) matches HF's GGUF loader, bad files fail clearly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from models.config import RopeScaling  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
+from runtime.formats.base import CheckpointError  # noqa: E402
+from runtime.formats.gguf import GGUFSource  # noqa: E402
+from tests.testing.data import smollm2_gguf_path  # noqa: E402
+from tests.testing.greedy import greedy_generate, hf_greedy  # noqa: E402
+from tests.tolerances import GGUF_LOGITS_F32, MODEL_LOGITS_F32  # noqa: E402
+
+# HF name suffix -> GGUF name suffix, as llama.cpp's tensor map names them (written out here rather
+# than taken from the code under test)
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base in TOP_NAMES:
+        return f"{TOP_NAMES[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: HF half-split q/k rows -> interleaved RoPE pairs.
+    Rows only, so it applies equally to float rows and to rows of quantized bytes."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch: str, hp: dict, tensors: dict, *, meta=None) -> None:
+    """tensors: GGUF name -> (array, raw ggml type or None for plain float arrays)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_rope_freq_base(hp["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_rope_dimension_count(hp["head_dim"])
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_vocab_size(hp["vocab_size"])
+    for key, (fn, value) in (meta or {}).items():
+        getattr(w, fn)(key, value)
+    for name, (arr, raw) in tensors.items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def encode(w: np.ndarray, qtype: Q, rng) -> tuple[np.ndarray, Q | None]:
+    """Store a float32 [out, in] matrix as `qtype`."""
+    if qtype == Q.F32:
+        return w.astype(np.float32), None
+    if qtype == Q.F16:
+        return w.astype(np.float16), None
+    if qtype in (Q.Q4_K, Q.Q6_K):  # the gguf package has no quantizer for these: random valid blocks
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
+        scale = lambda lo, hi: rng.uniform(lo, hi, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)  # noqa: E731
+        if qtype == Q.Q4_K:  # d, dmin (f16) lead the block; weights are d*sc*q - dmin*m
+            raw[..., 0:2], raw[..., 2:4] = scale(1e-4, 4e-4), scale(1e-4, 4e-4)
+        else:  # d (f16) ends the block; weights are d*sc*(q-32), sc an int8
+            raw[..., size - 2 :] = scale(1e-5, 4e-5)
+        return raw.reshape(w.shape[0], -1), qtype
+    return quantize(w, qtype), qtype
+
+
+def hp_dict(cfg) -> dict:
+    d = cfg.to_dict()
+    d["head_dim"] = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d["rope_theta"] = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    return d
+
+
+def hf_tensors_to_gguf(state: dict, arch: str, hp: dict, qtype: Q, rng) -> tuple[dict, dict]:
+    """HF-named f32 tensors -> (GGUF tensors as llama.cpp would write them, the HF tensors they
+    dequantize to). Norms and biases stay F32 as in llama.cpp; matrices are stored as `qtype`."""
+    out, expect = {}, {}
+    for name, w in state.items():
+        raw, raw_type = (w.astype(np.float32), None) if w.ndim == 1 else encode(w, qtype, rng)
+        expect[name] = np.asarray(dequantize(raw, raw_type or (Q.F16 if raw.dtype == np.float16 else Q.F32)), np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = hp["num_attention_heads"] if ".q_proj." in name else hp["num_key_value_heads"]
+            raw = llama_cpp_permute(raw, heads)
+        out[gguf_name(name)] = (raw, raw_type)
+    return out, expect
+
+
+def prompt_logits(loaded, prompt) -> np.ndarray:
+    return greedy_generate(loaded, prompt, 1).prompt_logits
+
+
+# ------------------------------------------------------------------------- every quant type, exactly
+
+QUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+# K-quants need rows that are multiples of 256 elements: every matrix's input dim is 256 or 512
+QUANT_HP = dict(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+                max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def random_llama_state(hp: dict, rng) -> dict:
+    D, F, N, K, H, V = (hp[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "vocab_size"))
+    mat = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
+    vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    st = {"model.embed_tokens.weight": mat(V, D), "model.norm.weight": vec(D), "lm_head.weight": mat(V, D)}
+    for i in range(hp["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        st |= {p + "self_attn.q_proj.weight": mat(N * H, D), p + "self_attn.k_proj.weight": mat(K * H, D),
+               p + "self_attn.v_proj.weight": mat(K * H, D), p + "self_attn.o_proj.weight": mat(D, N * H),
+               p + "mlp.gate_proj.weight": mat(F, D), p + "mlp.up_proj.weight": mat(F, D),
+               p + "mlp.down_proj.weight": mat(D, F), p + "input_layernorm.weight": vec(D),
+               p + "post_attention_layernorm.weight": vec(D)}
+    return st
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_quant_type_matches_dequantize_and_safetensors(qtype, tmp_path):
+    rng = np.random.default_rng()
+    state = random_llama_state(QUANT_HP, rng)
+    tensors, expect = hf_tensors_to_gguf(state, "llama", QUANT_HP, qtype, rng)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, "llama", QUANT_HP, tensors)
+
+    src = GGUFSource(path)
+    assert set(src.keys()) == set(expect)
+    for name, want in expect.items():
+        got = src.get(name)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want, err_msg=f"{qtype.name} {name}")
+
+    # the same dequantized weights saved as a HF safetensors checkpoint load to the same model
+    st_dir = tmp_path / "st"
+    transformers.LlamaConfig(**QUANT_HP).save_pretrained(st_dir)
+    save_file(expect, str(st_dir / "model.safetensors"))
+    ours, ref = load_model(path, progress=False), load_model(st_dir, progress=False)
+    assert ours.dtype == np.float32
+    assert ours.config.replace(name="x") == ref.config.replace(name="x")
+    prompt = rng.integers(0, QUANT_HP["vocab_size"], 12).tolist()
+    np.testing.assert_array_equal(prompt_logits(ours, prompt), prompt_logits(ref, prompt))
+
+
+# ------------------------------------------------------------------- layouts vs HF transformers
+
+HF_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+               rms_norm_eps=1e-6, initializer_range=0.25, attn_implementation="eager")
+
+
+def random_hf_model(cfg_cls: str, model_cls: str, **kw):
+    cfg = getattr(transformers, cfg_cls)(**HF_BASE, **kw)
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def model_to_gguf(model, path, arch: str, *, meta=None, extra=None) -> None:
+    hp = hp_dict(model.config)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors, _ = hf_tensors_to_gguf(state, arch, hp, Q.F32, None)
+    write_gguf(path, arch, hp, tensors | (extra or {}), meta=meta)
+
+
+def assert_matches_hf(model, loaded, *, new_tokens: int = 32):
+    prompt = np.random.default_rng().integers(0, model.config.vocab_size, 48).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].numpy()
+    ours = greedy_generate(loaded, prompt, new_tokens)
+    atol, rtol = MODEL_LOGITS_F32
+    np.testing.assert_allclose(ours.prompt_logits, ref, atol=atol, rtol=rtol)
+    hf_tokens, _ = hf_greedy(model, prompt, new_tokens)
+    assert ours.tokens == hf_tokens
+
+
+def test_llama_gguf_vs_hf(tmp_path):
+    """Untied head, GQA, head_dim 32 != D/N: the q/k un-permutation must be exactly llama.cpp's."""
+    model = random_hf_model("LlamaConfig", "LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, rope_theta=10000.0, tie_word_embeddings=False)
+    model_to_gguf(model, tmp_path / "llama.gguf", "llama")
+    loaded = load_model(tmp_path / "llama.gguf", progress=False)
+    assert loaded.config.architecture == "LlamaForCausalLM" and loaded.config.head_dim == 32
+    assert not loaded.config.tie_word_embeddings and not loaded.config.attention_bias
+    assert_matches_hf(model, loaded)
+
+
+def test_llama_gguf_written_here_reads_back_in_hf(tmp_path):
+    """HF's own GGUF reader gets the original model back from our test writer, so the writer follows
+    llama.cpp's conventions independently of the loader under test."""
+    model = random_hf_model("LlamaConfig", "LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                            rope_theta=10000.0, tie_word_embeddings=False)
+    model_to_gguf(model, tmp_path / "llama.gguf", "llama")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="llama.gguf",
+                                                             dtype=torch.float32).eval()
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name].numpy(), w.numpy(), err_msg=name)
+
+
+def test_qwen2_gguf_vs_hf(tmp_path):
+    """qwen2: QKV bias, tied embeddings, and q/k NOT permuted (llama.cpp's Qwen2Model keeps HF order)."""
+    model = random_hf_model("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                            rope_theta=1e6, tie_word_embeddings=True)
+    model_to_gguf(model, tmp_path / "qwen2.gguf", "qwen2")
+    loaded = load_model(tmp_path / "qwen2.gguf", progress=False)
+    cfg = loaded.config
+    assert cfg.architecture == "Qwen2ForCausalLM" and cfg.attention_bias and cfg.tie_word_embeddings
+    assert_matches_hf(model, loaded)
+
+
+def llama_cpp_rope_freqs(theta: float, dim: int, factor: float, low=1.0, high=4.0, old_ctx=8192) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors for rope_type llama3."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_llama3_rope_freqs_vs_hf(tmp_path):
+    # theta 1e6 at head_dim 32 puts pairs in all three bands of the llama3 rule: 0-6 unscaled,
+    # 7-8 interpolated, 9-15 divided by the factor
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 1e6}
+    model = random_hf_model("LlamaConfig", "LlamaForCausalLM", num_attention_heads=2, num_key_value_heads=1,
+                            rope_parameters=scaling, tie_word_embeddings=True)
+    freqs = llama_cpp_rope_freqs(1e6, 32, 8.0)
+    assert freqs[6] == 1.0 and 1.0 < freqs[7] < freqs[8] < 8.0 and freqs[9] == 8.0
+    model_to_gguf(model, tmp_path / "l3.gguf", "llama", extra={"rope_freqs.weight": (freqs, None)})
+    loaded = load_model(tmp_path / "l3.gguf", progress=False)
+    assert loaded.config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert_matches_hf(model, loaded, new_tokens=8)
+
+    bad = freqs.copy()
+    bad[8] *= 1.5
+    model_to_gguf(model, tmp_path / "bad.gguf", "llama", extra={"rope_freqs.weight": (bad, None)})
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        GGUFSource(tmp_path / "bad.gguf")
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def tiny_tensors(arch="llama", qtype=Q.F32):
+    hp = dict(QUANT_HP)
+    return hp, hf_tensors_to_gguf(random_llama_state(hp, np.random.default_rng()), arch, hp, qtype,
+                                  np.random.default_rng())[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "falcon"])
+def test_unsupported_architecture(arch, tmp_path):
+    hp, tensors = tiny_tensors()
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, arch, hp, tensors)
+    with pytest.raises(CheckpointError, match=rf"{path.name}.*{arch!r} is not supported.*llama, qwen2"):
+        load_model(path, progress=False)
+
+
+def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
+    hp, tensors = tiny_tensors()
+    w = np.random.default_rng().standard_normal((hp["vocab_size"], hp["hidden_size"])).astype(np.float32)
+    tensors["output.weight"] = (quantize(w, Q.Q5_1), Q.Q5_1)
+    write_gguf(tmp_path / "q51.gguf", "llama", hp, tensors)
+    with pytest.raises(CheckpointError, match=r"'output.weight'.*Q5_1"):
+        load_model(tmp_path / "q51.gguf", progress=False)
+
+
+def test_truncated_gguf(tmp_path):
+    hp, tensors = tiny_tensors()
+    path = tmp_path / "full.gguf"
+    write_gguf(path, "llama", hp, tensors)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(CheckpointError, match=rf"cut.gguf: truncated: tensor '[\w.]+' .* ends at byte \d+ but "
+                                              rf"the file has {len(data) * 2 // 3} bytes"):
+        load_model(cut, progress=False)
+    cut.write_bytes(data[:100])  # inside the metadata
+    with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file of 100 bytes"):
+        load_model(cut, progress=False)
+
+
+def test_missing_metadata_key(tmp_path):
+    hp, tensors = tiny_tensors()
+    w = gguf.GGUFWriter(str(tmp_path / "nometa.gguf"), "llama")
+    w.add_embedding_length(hp["hidden_size"])
+    for name, (arr, raw) in tensors.items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="llama.attention.head_count"):
+        GGUFSource(tmp_path / "nometa.gguf")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_model(tmp_path / "nope.gguf", progress=False)
+    with pytest.raises(CheckpointError, match="nope.gguf"):
+        GGUFSource(tmp_path / "nope.gguf")
+
+
+# ------------------------------------------------------------------------- SmolLM2-135M, real Q4_1
+
+PROMPT = "The Eiffel Tower is located in the city of"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    return path, tok, hf, load_model(path, dtype="float32", progress=False)
+
+
+def test_smollm2_config(smollm2):
+    path, _, _, loaded = smollm2
+    c = loaded.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (
+        30, 576, 9, 3, 64, 1536)
+    assert (c.vocab_size, c.rope_theta, c.max_position_embeddings, c.rms_norm_eps) == (49152, 1e5, 8192, 1e-5)
+    assert c.tie_word_embeddings and not c.attention_bias and c.rope_scaling is None
+    assert loaded.tokenizer_path == path
+
+
+def test_smollm2_greedy_and_logits_vs_hf(smollm2):
+    _, tok, hf, loaded = smollm2
+    prompt = tok(PROMPT)["input_ids"]
+    ours = greedy_generate(loaded, prompt, 32)
+    hf_tokens, hf_logits = hf_greedy(hf, prompt, 32)
+    assert tok.decode(ours.tokens).startswith(" Paris, France.")
+    assert ours.tokens == hf_tokens
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    atol, rtol = GGUF_LOGITS_F32
+    np.testing.assert_allclose(ours.prompt_logits, ref, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(ours.step_logits, hf_logits, atol=atol, rtol=rtol)
