@@ -28,6 +28,7 @@ from pallas_kernels.flash_attention.reference import reference_cost
 # Measured on H100 (docs/kernels/flash_attention.md): 128 x 64 tiles, 8 warps, 3 stages at H = 128.
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=64, num_warps=8, num_stages=3)
 _LOG2E = math.log2(math.e)
+_NT = (((1,), (1,)), ((), ()))  # q @ k.T (pl.dot is gone in jax 0.11)
 
 
 def _cdiv(a, b: int):
@@ -54,7 +55,7 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]  # [bk, H]
-        s = pl.dot(q, k, trans_b=True)  # f32[bq, bk]
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)  # f32[bq, bk]
         if soft_cap is not None:
             s = s * sm_scale
             s = (soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / soft_cap))
@@ -85,7 +86,7 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
         p = jnp.exp2(s - m_next_safe[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(start, bk), :]
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_next, l_next
 
     # KV block ranges (see module docstring): [lo, b) masked, [b, c) unmasked, [c, hi) masked.

@@ -200,12 +200,17 @@ def flash_attention_mosaic(
                     end_softmax_barriers()
                     l_i += p.sum(axis=1)
 
+                # Computed outside run_state: on jax 0.11 a constant closed over by run_state (cta_lo,
+                # hi are literals when static) comes back from its discharge as a Python int and
+                # breaks the lowering.
+                next_slot = slot_of(kv_step + 1)
+                has_next = kv_step + 1 < hi
+
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    wait_step = kv_step + 1
-                    @pl.when(wait_step < hi)
+                    @pl.when(has_next)
                     def _wait():
-                        plgpu.barrier_wait(k_barriers.at[slot_of(wait_step)])
+                        plgpu.barrier_wait(k_barriers.at[next_slot])
 
                 acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_consumed_barriers.at[slot])
