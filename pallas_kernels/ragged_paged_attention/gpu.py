@@ -1,0 +1,265 @@
+"""Ragged paged attention on NVIDIA GPUs through Pallas' Triton lowering.
+
+Work decomposition (all static shapes, so one compile serves every batch of a given padding):
+  * a work item is up to `q_tokens_per_block` query tokens of ONE sequence; the item table
+    (sequence, first token) is built with a few jnp ops before the launch, with a static upper
+    bound of cdiv(T, bq) + S items (unused items exit at once);
+  * grid = (items, KV heads, kv_splits). A program stacks the q heads of its KV head as matmul
+    rows (rows = tokens x q heads per KV head, padded to a power of two >= 16, Triton's minimum),
+    so each K/V row is read once per KV head, not once per q head: decode is bandwidth bound;
+  * it walks the keys its rows can see (causal upper end, sliding-window lower end) in blocks of
+    kv_pages_per_block * G keys, gathering K/V rows token by token through the page table
+    (page_indices[s, pos // G] * G + pos % G), so the block size is independent of the page size
+    and nothing past a sequence's length is read; masked loads return 0 there;
+  * kv_splits > 1 divides each item's key range among programs (flash-decoding); each writes a
+    normalised partial output and its log-sum-exp, merged by a small jnp epilogue. That is what
+    fills the GPU when there are few sequences and long contexts (8 x 32k: 64 (item, head)
+    programs for 132 SMs without it).
+Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
+default is TF32, ~1e-3 relative error).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate_inputs
+from pallas_kernels.ragged_paged_attention.reference import ref_cost_estimate
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
+_DEFAULT_NUM_SMS = 132  # H100 / H200 SXM; used when the device does not report core_count
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _num_sms() -> int:
+    try:
+        return int(jax.devices()[0].core_count)
+    except (AttributeError, TypeError, RuntimeError):
+        return _DEFAULT_NUM_SMS
+
+
+def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
+    T, N, _ = q.shape
+    _, G, K2, _ = kv_pages.shape
+    K = K2 // 2
+    S, P_max = page_indices.shape
+    q_per_kv = N // K
+    # Decode-heavy batches have one token per sequence: a few tokens per item keeps rows >= 16.
+    bq = max(1, min(16 // q_per_kv if q_per_kv < 16 else 1, T))
+    ppb = max(1, min(P_max, 64 // G))
+    keys_per_seq = P_max * G
+    items = max(min(S, T), pl.cdiv(T, bq))
+    splits = _next_pow2(pl.cdiv(2 * _num_sms(), items * K))
+    splits = max(1, min(splits, pl.cdiv(keys_per_seq, 4 * ppb * G)))
+    return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_splits=splits,
+                      num_warps=4, num_stages=3)
+
+
+def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, int, int]:
+    """(q tokens, keys, splits) per program, or ValueError naming the size that does not fit."""
+    T, N, H = q.shape
+    G = kv_pages.shape[1]
+    P_max = page_indices.shape[1]
+    bkv = bs.kv_pages_per_block * G
+    if bkv & (bkv - 1) or bkv < 16:
+        raise ValueError(f"kv_pages_per_block * page size = {bs.kv_pages_per_block} * {G} = {bkv} keys; "
+                         "Triton needs a power of two >= 16")
+    if bs.kv_pages_per_block > P_max:
+        raise ValueError(f"kv_pages_per_block={bs.kv_pages_per_block} exceeds page_indices.shape[1]={P_max}")
+    if H & (H - 1) or H < 16:
+        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
+    splits = bs.kv_splits if bs.kv_splits is not None else default_block_sizes(q, kv_pages, page_indices).kv_splits
+    return min(bs.q_tokens_per_block, T), bkv, splits
+
+
+def _kernel(
+    item_seq_ref,  # i32[W] sequence of each work item, -1 if unused
+    item_tok_ref,  # i32[W] first query token of each work item
+    kv_lens_ref,  # i32[S]
+    page_indices_ref,  # i32[S * P_max]
+    cu_q_lens_ref,  # i32[S + 1]
+    q_ref,  # [T * N, H]
+    kv_ref,  # [P * G * 2K, H]
+    o_ref,  # [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]
+    *lse_refs,  # () or (f32[kv_splits, T * N] log2-sum-exp2 per row,)
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    q_tokens: int,
+    rows: int,
+    kv_block: int,
+    kv_splits: int,
+):
+    i, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_per_kv = num_heads // num_kv_heads
+    s = item_seq_ref[i]
+    f32 = jnp.float32
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+    @pl.when(s >= 0)
+    def _():
+        q0 = item_tok_ref[i]
+        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
+        ctx = kv_len - (q_end - q_start)  # KV position of the sequence's first query token
+        r = jnp.arange(rows, dtype=jnp.int32)
+        tok = q0 + lax.div(r, q_per_kv)
+        row_ok = (r < q_tokens * q_per_kv) & (tok < q_end)
+        # Masked rows keep distinct (possibly out-of-range) indices: a masked store is a no-op on the
+        # GPU, but interpret mode writes back every indexed row, so duplicates would clobber.
+        q_rows = tok * num_heads + h * q_per_kv + lax.rem(r, q_per_kv)
+        q_pos = ctx + tok - q_start
+        hi = ctx + jnp.minimum(q0 + q_tokens, q_end) - q_start  # keys [lo, hi) are visible to some row
+        lo = 0 if sliding_window is None else jnp.maximum(ctx + q0 - q_start - sliding_window + 1, 0)
+        blk_lo = lax.div(lo, kv_block)
+        n_blk = lax.div(hi + kv_block - 1, kv_block) - blk_lo
+        per_split = lax.div(n_blk + kv_splits - 1, kv_splits)
+        b0 = blk_lo + split * per_split
+        b1 = jnp.minimum(b0 + per_split, blk_lo + n_blk)
+
+        # Index arrays on every axis: interpret mode cannot mix gathers with slices.
+        cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
+        q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+
+        def body(b, carry):
+            m, l, acc = carry
+            pos = b * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
+            pos_ok = (pos >= lo) & (pos < hi)
+            page = plgpu.load(page_indices_ref.at[s * pages_per_seq + lax.div(pos, page_size)],
+                              mask=pos_ok, other=0)
+            kv_row = (page * page_size + lax.rem(pos, page_size)) * (2 * num_kv_heads) + 2 * h
+            k = plgpu.load(kv_ref.at[kv_row[:, None], cols], mask=pos_ok[:, None], other=0.0)
+            v = plgpu.load(kv_ref.at[kv_row[:, None] + 1, cols], mask=pos_ok[:, None], other=0.0)
+            logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, kv_block]
+            # Scaled after the dot, in f32: folding the scale into bf16 q would round it.
+            if soft_cap is None:
+                logits = logits * (sm_scale * _LOG2E)
+            else:
+                logits = (soft_cap * _LOG2E) * jnp.tanh(logits * (sm_scale / soft_cap))
+            mask = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if sliding_window is not None:
+                mask &= pos[None, :] > q_pos[:, None] - sliding_window
+            logits = jnp.where(mask, logits, MASK_VALUE)
+            m_next = jnp.maximum(m, jnp.max(logits, axis=1))
+            p = jnp.where(mask, jnp.exp2(logits - m_next[:, None]), 0.0)
+            alpha = jnp.exp2(m - m_next)
+            pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+            return m_next, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
+
+        init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
+                jnp.zeros((rows, q_ref.shape[1]), f32))
+        m, l, acc = lax.fori_loop(b0, b1, body, init)
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        if kv_splits == 1:
+            plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        else:
+            (lse_ref,) = lse_refs
+            plgpu.store(o_ref.at[split, q_rows[:, None], cols], out, mask=row_ok[:, None])
+            lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+            plgpu.store(lse_ref.at[split, q_rows], lse, mask=row_ok)
+
+
+def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
+    """(sequence, first token) of each work item of <= q_tokens tokens of one sequence; -1 unused."""
+    S = cu_q_lens.shape[0] - 1
+    live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
+    n_items = jnp.where(live, (cu_q_lens[1:] - cu_q_lens[:-1] + q_tokens - 1) // q_tokens, 0)
+    ends = jnp.cumsum(n_items)
+    idx = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, idx, side="right"), S - 1).astype(jnp.int32)
+    tok = cu_q_lens[seq] + (idx - (ends[seq] - n_items[seq])) * q_tokens
+    return jnp.where(idx < ends[-1], seq, -1).astype(jnp.int32), tok.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes",
+                                             "interpret"))
+def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                            sliding_window, soft_cap, block_sizes, interpret):
+    T, N, H = q.shape
+    P, G, K2, _ = kv_pages.shape
+    K = K2 // 2
+    S, P_max = page_indices.shape
+    bq, bkv, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
+    rows = max(16, _next_pow2(bq * (N // K)))
+    num_items = pl.cdiv(T, bq) + S
+    item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((T * N, H), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((splits, T * N, H), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, T * N), jnp.float32)]
+    kernel = functools.partial(
+        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        num_heads=N, num_kv_heads=K, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
+        kv_block=bkv, kv_splits=splits)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_items, K, splits),
+        in_specs=[any_spec] * 7,
+        out_specs=[any_spec] * len(out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                             num_stages=block_sizes.num_stages),
+        cost_estimate=ref_cost_estimate(q, kv_pages, page_indices, soft_cap=soft_cap),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, q.reshape(T * N, H),
+      kv_pages.reshape(P * G * K2, H))
+    if splits == 1:
+        out = outs[0].reshape(T, N, H)
+    else:
+        o_part, lse = outs  # unwritten entries (padding tokens) may hold anything, masked below
+        lse = lse.reshape(splits, T, N)
+        finite = jnp.isfinite(lse)
+        lse_max = jnp.max(jnp.where(finite, lse, -jnp.inf), axis=0)
+        w = jnp.where(finite, jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)), 0.0)
+        o_part = jnp.where(finite[..., None], o_part.reshape(splits, T, N, H), 0.0)
+        out = (jnp.sum(w[..., None] * o_part, axis=0) /
+               jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(q.dtype)
+    t = jnp.arange(T, dtype=jnp.int32)
+    real = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])
+    return jnp.where(real[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, N, H], q.dtype
+    """Pallas Triton kernel; same contract as reference.ref_ragged_paged_attention.
+
+    interpret: True runs the kernel body as jnp on the host (CPU tests).
+    """
+    validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+    if block_sizes is None:
+        block_sizes = default_block_sizes(q, kv_pages, page_indices)
+    return _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                   sm_scale=float(sm_scale), sliding_window=sliding_window,
+                                   soft_cap=None if soft_cap is None else float(soft_cap),
+                                   block_sizes=block_sizes, interpret=interpret)
