@@ -26,9 +26,10 @@ import codecs
 import enum
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 
 class StripMode(enum.Enum):
@@ -137,6 +138,74 @@ class PieceTable:
         if self.strip is StripMode.OUTPUT and text.startswith(" "):
             text = text[1:]
         return text
+
+
+@dataclass(frozen=True)
+class DecodeRules:
+    """How a tokenizer.json's `decoder` turns tokens into text, reduced to per-token bytes plus
+    the strip rule. Decoders that need more context (WordPiece's "##", CTC, regex Replace) are
+    refused, since a streamed decode could not reproduce them token by token."""
+
+    byte_level: bool = False  # GPT-2 byte-to-unicode alphabet
+    byte_fallback: bool = False  # "<0xNN>" pieces are raw bytes
+    replace: tuple[tuple[str, str], ...] = ()  # e.g. ("▁", " ")
+    strip: StripMode = StripMode.NONE
+
+    SUPPORTED = "ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence"
+
+    @classmethod
+    def from_hf_decoder(cls, decoder: Mapping[str, Any] | None, source: str) -> DecodeRules:
+        fields: dict[str, Any] = {"replace": ()}
+
+        def read(d: Mapping[str, Any]) -> None:
+            kind = d.get("type")
+            if kind == "Sequence":
+                for sub in d.get("decoders", ()):
+                    read(sub)
+            elif kind == "ByteLevel":
+                fields["byte_level"] = True
+            elif kind == "ByteFallback":
+                fields["byte_fallback"] = True
+            elif kind == "Fuse":
+                pass
+            elif kind == "Metaspace":
+                scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
+                fields["replace"] += ((d.get("replacement", "\u2581"), " "),)
+                if scheme != "never":
+                    fields["strip"] = StripMode.FIRST_PIECE
+            elif kind == "Replace" and "String" in d.get("pattern", {}):
+                fields["replace"] += ((d["pattern"]["String"], d["content"]),)
+            elif kind == "Strip" and d.get("content") == " " and d.get("start") == 1 and d.get("stop") == 0:
+                fields["strip"] = StripMode.OUTPUT
+            else:
+                raise ValueError(
+                    f"{source}: tokenizer.json decoder {dict(d)} is not supported; supported: {cls.SUPPORTED}"
+                )
+
+        if decoder is not None:
+            read(decoder)
+        return cls(**fields)
+
+    def table(self, pieces: Sequence[str], special_ids: Iterable[int]) -> PieceTable:
+        out, literal = [], set()
+        for i, piece in enumerate(pieces):
+            b = byte_fallback_value(piece) if self.byte_fallback else None
+            if b is not None:
+                out.append(bytes([b]))
+                literal.add(i)
+            elif self.byte_level:
+                out.append(byte_level_bytes(piece))
+            else:
+                for old, new in self.replace:
+                    piece = piece.replace(old, new)
+                out.append(piece.encode("utf-8"))
+        return PieceTable(
+            pieces=tuple(out),
+            special_ids=frozenset(special_ids),
+            literal_ids=frozenset(literal),
+            strip=self.strip,
+            invalid=InvalidBytes.PER_BYTE if self.byte_fallback else InvalidBytes.REPLACE,
+        )
 
 
 def unescape_invalid(text: str) -> str:

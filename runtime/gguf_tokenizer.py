@@ -71,7 +71,7 @@ class _Cursor:
                 (k,) = length(buf, pos)
                 pos += 8
                 if pos + k > end:
-                    raise ValueError(f"{self.path}: GGUF string of {k} bytes at byte {pos} runs past the end of the file")
+                    raise ValueError(f"{self.path}: GGUF string of {k} bytes at byte {pos} runs past the end")
                 out.append(buf[pos : pos + k].decode("utf-8"))
                 pos += k
         except struct.error:
@@ -327,8 +327,9 @@ def _byte_level_bpe(path: Path, meta: dict, pre: _PreTokenizer):
     if types is not None:
         # llama.cpp matches control and user-defined tokens whole in the text; without this they
         # would be cut into byte-level pieces. They are already in the vocabulary, so no id moves.
-        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TokenType.CONTROL]
-        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
+        marked = list(zip(tokens, types))
+        special = [AddedToken(t, special=True, normalized=False) for t, k in marked if k == TokenType.CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, k in marked if k == TokenType.USER_DEFINED]
         tok.add_special_tokens(special)
         tok.add_tokens(user)
         if tok.get_vocab_size(with_added_tokens=True) != len(tokens):

@@ -11,23 +11,25 @@ Decoding is the inverse of encoding: unlike transformers we never apply
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from runtime.detokenizer import (
+    DecodeRules,
     IncrementalDetokenizer,
     InvalidBytes,
     PieceTable,
     StripMode,
     byte_fallback_value,
-    byte_level_bytes,
 )
 from gguf.constants import TokenType
 
@@ -35,7 +37,9 @@ from runtime.gguf_tokenizer import load_gguf_tokenizer
 
 # End-of-turn tokens that stop generation when the vocabulary has them as special tokens, beside
 # the configured EOS (Llama 3 ends a turn with <|eot_id|> but declares <|end_of_text|> as EOS).
-CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
+CHAT_END_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
+)
 
 
 class _Encoder(Protocol):
@@ -336,26 +340,36 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return Tokenizer.from_sentencepiece(p)
     if p.suffix == ".bin":
         return Tokenizer.from_llama2c(p)
-    raise ValueError(f"cannot tell what tokenizer format {p} is (expected a folder, .model, .gguf, .bin or tokenizer.json)")
+    raise ValueError(
+        f"cannot tell what tokenizer format {p} is (expected a folder, .model, .gguf, .bin or tokenizer.json)"
+    )
 
 
 # --- format-specific parts ----------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class _Parts:
     """What a format contributes before the config files are consulted."""
 
-    def __init__(self, encoder, table, pieces, *, bos_id=None, eos_id=None, pad_id=None, unk_id=None, add_bos=False, add_eos=False):
-        self.encoder, self.table, self.pieces = encoder, table, list(pieces)
-        self.bos_id, self.eos_id, self.pad_id, self.unk_id = bos_id, eos_id, pad_id, unk_id
-        self.add_bos, self.add_eos = add_bos, add_eos
-        self._ids: dict[str, int] | None = None
+    encoder: _Encoder
+    table: PieceTable
+    pieces: list[str]
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    unk_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+    @functools.cached_property
+    def _ids(self) -> dict[str, int]:
+        ids: dict[str, int] = {}
+        for i, p in enumerate(self.pieces):
+            ids.setdefault(p, i)
+        return ids
 
     def piece_to_id(self, piece: str) -> int | None:
-        if self._ids is None:
-            self._ids = {}
-            for i, p in enumerate(self.pieces):
-                self._ids.setdefault(p, i)
         return self._ids.get(piece)
 
 
@@ -469,7 +483,7 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
 
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        tok = HFTokenizer.from_str(json.dumps(spec))
+        tok = HFTokenizer.from_file(str(path))
     except Exception as e:  # JSONDecodeError, tokenizers' Exception
         raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
     special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
@@ -488,74 +502,12 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
 
 
 def _hf_parts(tok, source: str, decoder: Mapping[str, Any] | None, special: set[int]) -> _Parts:
-    rules = _DecodeRules(source)
-    rules.read(decoder)
+    rules = DecodeRules.from_hf_decoder(decoder, source)
     vocab = tok.get_vocab(with_added_tokens=True)
-    size = max(vocab.values()) + 1
-    pieces = [""] * size
+    pieces = [""] * (max(vocab.values()) + 1)
     for piece, i in vocab.items():
         pieces[i] = piece
-    table, literal = [], set()
-    for i, piece in enumerate(pieces):
-        b = byte_fallback_value(piece) if rules.byte_fallback else None
-        if b is not None:
-            table.append(bytes([b]))
-            literal.add(i)
-        elif rules.byte_level:
-            table.append(byte_level_bytes(piece))
-        else:
-            for old, new in rules.replace:
-                piece = piece.replace(old, new)
-            table.append(piece.encode("utf-8"))
-    return _Parts(
-        _HFEncoder(tok),
-        PieceTable(
-            pieces=tuple(table),
-            special_ids=frozenset(special),
-            literal_ids=frozenset(literal),
-            strip=rules.strip,
-            invalid=InvalidBytes.PER_BYTE if rules.byte_fallback else InvalidBytes.REPLACE,
-        ),
-        pieces,
-    )
-
-
-class _DecodeRules:
-    """The `decoder` of a tokenizer.json, reduced to per-token bytes plus the strip rule."""
-
-    SUPPORTED = "ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence"
-
-    def __init__(self, source: str):
-        self.source = source
-        self.byte_level = False
-        self.byte_fallback = False
-        self.replace: list[tuple[str, str]] = []
-        self.strip = StripMode.NONE
-
-    def read(self, d: Mapping[str, Any] | None) -> None:
-        if d is None:
-            return
-        kind = d.get("type")
-        if kind == "Sequence":
-            for sub in d.get("decoders", ()):
-                self.read(sub)
-        elif kind == "ByteLevel":
-            self.byte_level = True
-        elif kind == "ByteFallback":
-            self.byte_fallback = True
-        elif kind == "Fuse":
-            pass
-        elif kind == "Metaspace":
-            scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
-            self.replace.append((d.get("replacement", "\u2581"), " "))
-            if scheme != "never":
-                self.strip = StripMode.FIRST_PIECE
-        elif kind == "Replace" and "String" in d.get("pattern", {}):
-            self.replace.append((d["pattern"]["String"], d["content"]))
-        elif kind == "Strip" and d.get("content") == " " and d.get("start") == 1 and d.get("stop") == 0:
-            self.strip = StripMode.OUTPUT
-        else:
-            raise ValueError(f"{self.source}: tokenizer.json decoder {dict(d)} is not supported; supported: {self.SUPPORTED}")
+    return _Parts(_HFEncoder(tok), rules.table(pieces, special), pieces)
 
 
 # --- llama2.c -----------------------------------------------------------------------------------
@@ -578,7 +530,10 @@ def _read_llama2c(path: Path, vocab_size: int | None) -> tuple[list[str], list[f
         score, n = struct.unpack_from("<fi", data, pos)
         pos += 8
         if not 0 <= n <= max_len or pos + n > len(data):
-            raise ValueError(f"{path}: token {len(pieces)} has length {n} (max_token_length {max_len}, {len(data) - pos} bytes left)")
+            raise ValueError(
+                f"{path}: token {len(pieces)} has length {n} "
+                f"(max_token_length {max_len}, {len(data) - pos} bytes left)"
+            )
         try:
             pieces.append(data[pos : pos + n].decode("utf-8"))
         except UnicodeDecodeError:
@@ -682,7 +637,8 @@ def _id_list(v: Any) -> list[int]:
 
 
 def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, tuple[str, bool]]:
-    return {int(k): (v["content"], bool(v.get("special", False))) for k, v in cfg.get("added_tokens_decoder", {}).items()}
+    added = cfg.get("added_tokens_decoder", {})
+    return {int(k): (v["content"], bool(v.get("special", False))) for k, v in added.items()}
 
 
 def _config_chat_templates(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
@@ -704,7 +660,9 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # transformers' tojson: unlike jinja2's, it does not HTML-escape and keeps non-ASCII as is.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

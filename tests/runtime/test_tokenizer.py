@@ -227,7 +227,13 @@ def test_tok512_decode_known_ids():
 
 @pytest.mark.parametrize(
     "text",
-    ["Once upon a time", "Once upon a time, there was a little girl named Lily. She loved to play.", "Lily's mom said, \"Hi!\"\n", "héllo 🙂", "  two spaces"],
+    [
+        "Once upon a time",
+        "Once upon a time, there was a little girl named Lily. She loved to play.",
+        "Lily's mom said, \"Hi!\"\n",
+        "héllo 🙂",
+        "  two spaces",
+    ],
 )
 def test_tok512_encode_roundtrip(text):
     tok = _tok512()
@@ -570,7 +576,13 @@ def test_smollm2_chat_template_matches_transformers(smollm2):
 
 @pytest.mark.parametrize(
     "make",
-    [load_tokenizer, Tokenizer.from_sentencepiece, Tokenizer.from_gguf, Tokenizer.from_llama2c, Tokenizer.from_pretrained_dir],
+    [
+        load_tokenizer,
+        Tokenizer.from_sentencepiece,
+        Tokenizer.from_gguf,
+        Tokenizer.from_llama2c,
+        Tokenizer.from_pretrained_dir,
+    ],
 )
 def test_missing_file(tmp_path, make):
     with pytest.raises(FileNotFoundError, match="nope"):
@@ -579,7 +591,12 @@ def test_missing_file(tmp_path, make):
 
 def test_corrupt_files(tmp_path):
     garbage = bytes(range(256)) * 8
-    for name, make in [("x.model", load_tokenizer), ("x.gguf", load_tokenizer), ("x.bin", load_tokenizer), ("y.model", Tokenizer.from_sentencepiece)]:
+    for name in ["x.model", "x.gguf", "x.bin"]:
+        (tmp_path / name).write_bytes(garbage)
+        with pytest.raises(ValueError, match=name):
+            load_tokenizer(tmp_path / name)
+    constructors = {"y.model": Tokenizer.from_sentencepiece, "y.gguf": Tokenizer.from_gguf, "y.bin": Tokenizer.from_llama2c}
+    for name, make in constructors.items():
         (tmp_path / name).write_bytes(garbage)
         with pytest.raises(ValueError, match=name):
             make(tmp_path / name)
