@@ -5,20 +5,42 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import flash_attention as _flash_attention
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention, ref_write_kv_pages
+from pallas_kernels import ragged_paged_attention as _rpa
+
+
+def _platform(x) -> str:
+    """Platform of a concrete array's devices; under tracing, the default backend's."""
+    try:
+        return next(iter(x.devices())).platform
+    except (AttributeError, jax.errors.ConcretizationTypeError):
+        return jax.default_backend()
+
+
+# platform -> ragged paged attention kernel; CPU (and any other platform) runs the reference.
+_RPA_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, implementation: str = "auto"):
-    """Attention of a ragged token batch over paged KV. See ragged_paged_attention/reference.py."""
-    del implementation  # only the reference exists until the kernels land
-    return ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    """Attention of a ragged token batch over paged KV. See ragged_paged_attention/reference.py.
+
+    implementation: "auto" (the Mosaic TPU kernel on TPU, the Triton kernel on NVIDIA GPUs, the
+    pure-jnp reference elsewhere, by the platform of q), "tpu", "gpu" or "reference"."""
+    if implementation == "auto":
+        implementation = _RPA_BY_PLATFORM.get(_platform(q), "reference")
+    if implementation == "reference":  # also takes q and kv_pages of different dtypes
+        return _rpa.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                               sm_scale=sm_scale, sliding_window=sliding_window,
+                                               soft_cap=soft_cap)
+    return _rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                       implementation=implementation)
 
 
 def write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs) -> jax.Array:
-    """Scatter this step's new K/V into their page slots."""
-    return ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
+    """Scatter this step's new K/V into their page slots (one XLA scatter on every backend: it
+    writes only the step's T rows and is in place when the caller donates kv_pages)."""
+    return _rpa.ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def flash_attention(q, k, v, *, sm_scale, causal=True, segment_ids=None, sliding_window=None, soft_cap=None,

@@ -1,5 +1,49 @@
-"""Ragged paged attention over a paged KV cache (mixed prefill chunks and decodes in one batch)."""
+"""Ragged paged attention over a paged KV cache (mixed prefill chunks and decodes in one batch).
 
-from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention, ref_write_kv_pages
+`ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+sliding_window=None, soft_cap=None, block_sizes=None, implementation="auto", interpret=False)`
+runs the TPU (Mosaic) or GPU (Triton) kernel; `ref_ragged_paged_attention` is the pure-jnp oracle
+and CPU path. Contract and KV layout: reference.py. Model code calls pallas_kernels.dispatch.
+"""
 
-__all__ = ["ref_ragged_paged_attention", "ref_write_kv_pages"]
+from __future__ import annotations
+
+from pallas_kernels.ragged_paged_attention import gpu, tpu
+from pallas_kernels.ragged_paged_attention.common import (
+    BlockSizes,
+    validate_inputs,
+    validate_static,
+    validate_values,
+)
+from pallas_kernels.ragged_paged_attention.reference import (
+    ref_cost_estimate,
+    ref_ragged_paged_attention,
+    ref_write_kv_pages,
+)
+
+IMPLEMENTATIONS = ("tpu", "gpu")
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, soft_cap=None, block_sizes: BlockSizes | None = None,
+                           implementation: str, interpret=False):
+    """The Pallas kernel named by `implementation` ("tpu" or "gpu"); see reference.py for the contract."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    kernel = tpu.ragged_paged_attention if implementation == "tpu" else gpu.ragged_paged_attention
+    return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, block_sizes=block_sizes,
+                  interpret=interpret)
+
+
+__all__ = [
+    "BlockSizes",
+    "IMPLEMENTATIONS",
+    "ragged_paged_attention",
+    "ref_cost_estimate",
+    "ref_ragged_paged_attention",
+    "ref_write_kv_pages",
+    "validate_inputs",
+    "validate_static",
+    "validate_values",
+]
