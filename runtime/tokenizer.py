@@ -23,6 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from gguf.constants import TokenType
+
 from runtime.detokenizer import (
     DecodeRules,
     IncrementalDetokenizer,
@@ -31,8 +33,6 @@ from runtime.detokenizer import (
     StripMode,
     byte_fallback_value,
 )
-from gguf.constants import TokenType
-
 from runtime.gguf_tokenizer import load_gguf_tokenizer
 
 # End-of-turn tokens that stop generation when the vocabulary has them as special tokens, beside
@@ -125,6 +125,11 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         """Ids dropped by `decode(..., skip_special_tokens=True)`."""
         return self._table.special_ids
+
+    @property
+    def piece_table(self) -> PieceTable:
+        """What each id decodes to (bytes, special ids, the dummy-prefix rule)."""
+        return self._table
 
     @property
     def add_bos_token(self) -> bool:

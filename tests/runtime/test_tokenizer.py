@@ -291,7 +291,7 @@ def _stream_material(name: str) -> tuple[Tokenizer, list[int], list[int]]:
     tok = STREAM_TOKENIZERS[name]()
     partial = []
     for i in range(tok.vocab_size):
-        piece = tok._table.pieces[i]
+        piece = tok.piece_table.pieces[i]
         try:
             piece.decode("utf-8")
         except UnicodeDecodeError:
@@ -499,7 +499,7 @@ def test_pretrained_dir_llama_style_tokenizer_json(tmp_path, transformers_mod):
     transformers_mod.LlamaTokenizer.from_pretrained(src).save_pretrained(tmp_path / "out")
     ours = Tokenizer.from_pretrained_dir(tmp_path / "out")
     hf = transformers_mod.AutoTokenizer.from_pretrained(tmp_path / "out")
-    assert ours._table.strip is StripMode.OUTPUT
+    assert ours.piece_table.strip is StripMode.OUTPUT
     for text in LLAMA2_TEXTS:
         ids = hf.encode(text)
         assert ours.encode(text) == ids
