@@ -553,6 +553,7 @@ SMOLLM2_TEXTS = [
 ]
 
 
+@pytest.mark.slow  # transformers parses the 93 MB GGUF (~5 s)
 @pytest.mark.parametrize("text", SMOLLM2_TEXTS)
 def test_smollm2_encode_matches_transformers(smollm2, text):
     ours, hf = smollm2
@@ -560,6 +561,7 @@ def test_smollm2_encode_matches_transformers(smollm2, text):
     assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 def test_smollm2_chat_template_matches_transformers(smollm2):
     ours, hf = smollm2
     chat = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
