@@ -25,8 +25,17 @@ from pallas_kernels.flash_attention.common import (
     BlockSizes, normalize_segment_ids, round_up, validate_inputs)
 from pallas_kernels.flash_attention.reference import reference_cost
 
-# Measured on H100 (docs/kernels/flash_attention.md): 128 x 64 tiles, 8 warps, 3 stages at H = 128.
-DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=64, num_warps=8, num_stages=3)
+# By padded head_dim. H = 128 is the best of a sweep on an H200 (docs/kernels/flash_attention.md);
+# 64 and 256 are sized to fit shared memory (q tile + num_stages K/V tiles <= 227 KiB), untuned.
+DEFAULT_BLOCK_SIZES = {
+    64: BlockSizes(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    128: BlockSizes(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    256: BlockSizes(block_q=64, block_kv=64, num_warps=8, num_stages=2),
+}
+
+
+def default_block_sizes(head_dim_padded: int) -> BlockSizes:
+    return DEFAULT_BLOCK_SIZES[min((h for h in DEFAULT_BLOCK_SIZES if h >= head_dim_padded), default=256)]
 _LOG2E = math.log2(math.e)
 _NT = (((1,), (1,)), ((), ()))  # q @ k.T (pl.dot is gone in jax 0.11)
 
@@ -50,12 +59,14 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
     q0 = q_offset + i * bq  # key position of this block's first query
     q_pos = q0 + jnp.arange(bq, dtype=jnp.int32)
     q_seg = qs_ref[...] if has_segments else None  # i32[bq]
+    # float32 inputs: IEEE products (jax 0.11's Triton lowering otherwise picks TF32, ~1e-3 error).
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def body(j, carry, masked: bool):
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]  # [bk, H]
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)  # f32[bq, bk]
+        s = lax.dot_general(q, k, _NT, precision=precision, preferred_element_type=jnp.float32)  # f32[bq, bk]
         if soft_cap is not None:
             s = s * sm_scale
             s = (soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / soft_cap))
@@ -86,7 +97,8 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
         p = jnp.exp2(s - m_next_safe[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(start, bk), :]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
         return acc, m_next, l_next
 
     # KV block ranges (see module docstring): [lo, b) masked, [b, c) unmasked, [c, hi) masked.
@@ -141,13 +153,13 @@ def flash_attention_triton(
 ) -> jax.Array:  # [B, T, N, H]
     p = validate_inputs(q, k, v, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
     seg = normalize_segment_ids(segment_ids, p.B, p.T, p.S)
-    bs = block_sizes or DEFAULT_BLOCK_SIZES
-    _check_triton_blocks(bs)
     B, T, S, N, K, H, G = p.B, p.T, p.S, p.N, p.K, p.H, p.group
+    Hp = max(16, pl.next_power_of_2(H))  # Triton tiles are powers of two; zero columns change nothing
+    bs = block_sizes or default_block_sizes(Hp)
+    _check_triton_blocks(bs)
     bq = min(bs.block_q, max(16, pl.next_power_of_2(T)))
     bk = min(bs.block_kv, max(16, pl.next_power_of_2(S)))
     Tp, Sp = round_up(T, bq), round_up(S, bk)
-    Hp = max(16, pl.next_power_of_2(H))  # Triton tiles are powers of two; zero columns change nothing
     nq, nk = Tp // bq, Sp // bk
     pad = lambda x, n, L: jnp.pad(x, ((0, 0), (0, L - n), (0, 0), (0, Hp - H))) if (L != n or Hp != H) else x
     qp, kp, vp = pad(q, T, Tp), pad(k, S, Sp), pad(v, S, Sp)
