@@ -11,10 +11,13 @@ Added here over the example: our masking semantics (causal aligned to the last k
 prefill works, sliding window, KV tail padding), GQA, soft cap, sm_scale, bf16 shared memory,
 arbitrary T/S (padded to whole tiles), heavy causal tiles scheduled first.
 
-Masked scores use a finite -1e30 rather than -inf: without segment ids every real query sees at
-least its own key, so a row whose first blocks are fully masked is wiped by alpha = 0 once its
-first visible score arrives (the FlashAttention convention), with no NaN from -inf - -inf.
-Segment ids and float32 are not handled here (gpu.py routes them to the Triton kernel).
+Masked scores are -inf, and in masked steps the running max is floored at -1e30 so a row with
+nothing visible yet computes exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN. A finite mask
+value (-1e30) is not safe here: p = exp2(fma(s, scale, -m)) evaluates s * scale exactly while m
+was rounded, and at 1e30 that rounding residual (~1e23) overflows exp2 to inf whenever its sign
+is positive; on an H200 that turned every row whose first KV block was fully masked by a sliding
+window into NaN. Segment ids and float32 are not handled here (gpu.py routes them to the Triton
+kernel).
 
 Mosaic GPU ignores pl.CostEstimate (its lowering drops it) and plgpu.kernel takes none.
 """
@@ -33,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.flash_attention.common import BlockSizes, round_up, validate_inputs
 
 _LOG2E = math.log2(math.e)
-_MASK = -1e30
+_M_FLOOR = -1e30  # running-max floor in masked steps (see module docstring)
 # Measured on H100 (docs/kernels/flash_attention.md). block_q is per compute warpgroup.
 DEFAULT_BLOCK_SIZES = {
     64: BlockSizes(block_q=64, block_kv=128, num_stages=2),
@@ -175,10 +178,12 @@ def flash_attention_mosaic(
                         tail = kv_pos < S
                         mask = tail if mask is None else mask & tail
                     if mask is not None:
-                        qk = jnp.where(mask, qk, _MASK)
+                        qk = jnp.where(mask, qk, -jnp.inf)
 
                 # m is kept in base-2 units so p is one FMA + exp2 per score.
                 m_ij = jnp.maximum(m_i, qk.max(axis=1) * score_scale)
+                if masked:
+                    m_ij = jnp.maximum(m_ij, _M_FLOOR)
                 alpha = jnp.exp2(m_i - m_ij)
                 m_i = m_ij
                 p = jnp.exp2(qk * score_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))

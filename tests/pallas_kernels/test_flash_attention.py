@@ -261,6 +261,9 @@ GPU_CASES = {
     "non_causal_h64": Case(B=2, T=513, S=700, N=4, K=4, H=64, causal=False),
     "window_cap_h256": Case(B=1, T=900, S=900, N=4, K=2, H=256, sliding_window=300, soft_cap=30.0),
     "window_h128": Case(B=1, T=2048, S=2048, N=4, K=1, H=128, sliding_window=512),
+    # Window not a multiple of the KV tile: rows whose first KV block is fully masked (NaN before
+    # the running-max floor in gpu_mosaic.py).
+    "window_unaligned_h64": Case(B=1, T=900, S=900, N=4, K=2, H=64, sliding_window=300),
     "single_token": Case(B=3, T=1, S=333, N=8, K=2, H=128),
 }
 
