@@ -1,0 +1,168 @@
+"""Serving settings: ServerConfig (network, limits, security), and the YAML file that `xlaserve
+serve --config` reads. Read once at start-up; the servers get frozen objects.
+
+A config file has three parts; every `xlaserve serve` flag has a key here, and a flag given on the
+command line wins over the file:
+
+    model: /path/to/model-or-preset     # --model (default: the embedded SmolLM2-135M-Instruct)
+    tokenizer: null                     # --tokenizer (default: the one that comes with the model)
+    server:                             # ServerConfig fields (--host, --port, --grpc-port, ...)
+      host: 127.0.0.1
+      port: 8000
+    engine:                             # runtime.config.EngineConfig fields (--max-num-seqs, ...)
+      max_num_seqs: 32
+      mesh: {tensor: 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int | None = 8000  # HTTP (OpenAI API, /health, /metrics); None: no HTTP server; 0: any free port
+    grpc_port: int | None = 50051  # None: no gRPC server; 0: any free port
+    served_model_name: str | None = None  # the `model` clients send; default: the checkpoint's name
+    chat_template: str | None = None  # a jinja file (or inline template) replacing the model's own
+    api_keys: tuple[str, ...] = ()  # when set, every route except health needs one of them
+    tls_certfile: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS
+    tls_keyfile: str | None = None
+    tls_ca_certfile: str | None = None  # with TLS: require client certificates signed by this CA (mTLS)
+    max_waiting_requests: int = 256  # requests accepted but not yet started; beyond: 429 / RESOURCE_EXHAUSTED
+    max_waiting_tokens: int = 262144  # prompt tokens of those requests
+    max_body_bytes: int = 4 * 2**20  # HTTP request body
+    max_n: int = 16  # sequences per request
+    max_stop: int = 16  # stop strings plus stop token ids per request
+    max_prompt_chars: int = 1_000_000  # text before tokenizing (tokenizing is linear in it)
+    retry_after_s: float = 1.0  # Retry-After sent with 429
+    drain_timeout_s: float = 30.0  # on SIGTERM: time in-flight requests get before they are aborted
+    health_stall_s: float = 30.0  # /health fails when the engine has work but made no step for this long
+    status_interval_s: float = 10.0  # one-line status log period; 0 turns it off
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", tuple(self.api_keys or ()))
+        for name in ("port", "grpc_port"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= 65535):
+                raise ValueError(f"{name} must be None or an int in [0, 65535], got {v!r}")
+        for name in ("max_waiting_requests", "max_waiting_tokens", "max_body_bytes", "max_n", "max_prompt_chars"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not _is_int(self.max_stop) or self.max_stop < 0:
+            raise ValueError(f"max_stop must be an int >= 0, got {self.max_stop!r}")
+        for name in ("retry_after_s", "drain_timeout_s", "health_stall_s", "status_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("TLS needs both tls_certfile and tls_keyfile")
+        if self.tls_ca_certfile is not None and self.tls_certfile is None:
+            raise ValueError("tls_ca_certfile (client certificates) needs tls_certfile and tls_keyfile")
+        for name in ("tls_certfile", "tls_keyfile", "tls_ca_certfile"):
+            v = getattr(self, name)
+            if v is not None and not Path(v).is_file():
+                raise ValueError(f"{name} {v} is not a file")
+        if self.port is None and self.grpc_port is None:
+            raise ValueError("both port and grpc_port are None: nothing would be served")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_certfile is not None
+
+    def read_chat_template(self) -> str | None:
+        """The chat_template setting as template text: a file's contents, or the inline template."""
+        t = self.chat_template
+        if t is None:
+            return None
+        if "{" not in t:  # no jinja syntax: a path
+            p = Path(t)
+            if not p.is_file():
+                raise ValueError(f"chat_template {t} is not a file (inline templates contain jinja '{{' tags)")
+            return p.read_text()
+        return t
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """Everything `xlaserve serve` needs: what to load, the engine, the servers."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # EngineConfig keyword arguments
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+
+    def engine_config(self, **overrides):
+        """The runtime.config.EngineConfig these settings describe (`mesh` may be a mapping)."""
+        from runtime.config import EngineConfig
+        from sharding.mesh import MeshConfig
+
+        kw = {**self.engine, **overrides}
+        if isinstance(kw.get("mesh"), dict):
+            kw["mesh"] = MeshConfig(**kw["mesh"])
+        for name in ("token_buckets", "seq_buckets"):
+            if isinstance(kw.get(name), list):
+                kw[name] = tuple(kw[name])
+        try:
+            return EngineConfig(**kw)
+        except TypeError as e:
+            raise ValueError(f"engine settings: {e}") from None
+
+
+_TOP_KEYS = ("model", "tokenizer", "server", "engine")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The config file as a dict with keys among model, tokenizer, server, engine (checked)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level must be a mapping with keys {', '.join(_TOP_KEYS)}")
+    unknown = sorted(set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise ValueError(f"{p}: unknown top-level keys {unknown}; allowed: {', '.join(_TOP_KEYS)}")
+    for section in ("server", "engine"):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ValueError(f"{p}: '{section}' must be a mapping")
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    bad = sorted(set(data.get("server") or {}) - server_fields)
+    if bad:
+        raise ValueError(f"{p}: unknown server settings {bad}; allowed: {', '.join(sorted(server_fields))}")
+    from runtime.config import EngineConfig
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    bad = sorted(set(data.get("engine") or {}) - engine_fields)
+    if bad:
+        raise ValueError(f"{p}: unknown engine settings {bad}; allowed: {', '.join(sorted(engine_fields))}")
+    return data
+
+
+def build_settings(file_data: dict[str, Any] | None, overrides: dict[str, dict[str, Any]]) -> ServeSettings:
+    """Merge a loaded config file with command-line values: overrides = {"top": {...}, "server":
+    {...}, "engine": {...}}, holding only the flags the user actually gave."""
+    data = file_data or {}
+    top = {k: data.get(k) for k in ("model", "tokenizer")}
+    top.update(overrides.get("top", {}))
+    server = {**(data.get("server") or {}), **overrides.get("server", {})}
+    engine = {**(data.get("engine") or {}), **overrides.get("engine", {})}
+    if isinstance(server.get("api_keys"), str):
+        server["api_keys"] = (server["api_keys"],)
+    return ServeSettings(model=top["model"], tokenizer=top["tokenizer"], engine=engine, server=ServerConfig(**server))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
