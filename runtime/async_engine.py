@@ -1,0 +1,193 @@
+"""The engine for servers: a background thread runs the engine loop; callers on an asyncio event
+loop `submit` requests and read their outputs from async iterators.
+
+    engine = AsyncEngine(Engine(model, config, tokenizer=tok))
+    async for out in engine.submit(GenerationRequest(prompt="Hi", sampling_params=params)):
+        ...                                  # RequestOutput snapshots; the last has finished=True
+    engine.cancel(request_id); engine.stats(); engine.health(); engine.shutdown()
+
+Threading: the Engine is touched only by the loop thread. submit/cancel put commands on a
+thread-safe queue and set an Event; the loop drains commands between steps (so a cancel takes
+effect before the next step is planned: its pages are free within one step) and blocks on the
+Event when there is no work (no polling). Outputs go back with `loop.call_soon_threadsafe` into
+one asyncio.Queue per request. Validation and tokenization run in the caller's thread (submit
+raises at once on a request that can never run); they read only immutable engine state.
+If the loop thread dies, every open stream raises EngineDeadError and health() reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from runtime.engine import Engine, EngineStats
+from runtime.llm import RequestOutput
+from runtime.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped with an error; no request can proceed."""
+
+
+@dataclass
+class GenerationRequest:
+    """One request as servers submit it: a text prompt or token ids (one of the two)."""
+
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    healthy: bool
+    running: bool  # the loop thread is alive
+    error: str | None  # why the loop died
+    num_unfinished: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, start: bool = True) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="xlaserve-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    # -- API ------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Queue a request; returns the async stream of its outputs. Must be called on a running
+        event loop. Raises ValueError at once for a request that can never run."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        if self._stop:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        if (request.prompt is None) == (request.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        text, ids = self.engine.prepare_prompt(
+            request.prompt if request.prompt is not None else list(request.prompt_token_ids)
+        )
+        self.engine.validate(ids, request.sampling_params)
+        rid = request.request_id if request.request_id is not None else f"async-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already live")
+            self._streams[rid] = (loop, q)
+        self._send(("add", rid, text, ids, request))
+        return self._stream(rid, q)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """Engine statistics as of the last step (a snapshot the loop publishes)."""
+        return self._stats
+
+    def health(self) -> Health:
+        running = self._thread.is_alive()
+        return Health(
+            healthy=running and self._error is None and not self._stop,
+            running=running,
+            error=None if self._error is None else repr(self._error),
+            num_unfinished=len(self._streams),
+        )
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop (open streams end with EngineDeadError) and wait for the thread."""
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- streams --------------------------------------------------------------------------------
+    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # the consumer went away (client disconnect): stop generating
+                self.cancel(rid)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._streams_lock:
+            target = self._streams.get(rid)
+            if target is not None and (isinstance(item, BaseException) or item.finished):
+                del self._streams[rid]
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # that event loop is closed; nobody is listening
+                pass
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._drain()
+                if not engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    self._deliver(out.request_id, out)
+                self._stats = engine.stats()
+        except BaseException as e:  # noqa: BLE001 - reported to every stream and to health()
+            logger.exception("engine loop died")
+            self._error = e
+        finally:
+            err = EngineDeadError(f"the engine loop stopped: {self._error!r}" if self._error else "the engine shut down")
+            with self._streams_lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self._deliver(rid, err)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, text, ids, req = cmd
+                try:
+                    self.engine.add_request(ids, req.sampling_params, request_id=rid, priority=req.priority,
+                                            cache_salt=req.cache_salt, prompt_text=text)
+                except ValueError as e:  # e.g. the id went live meanwhile
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                self.engine.abort(cmd[1])

@@ -1,0 +1,481 @@
+"""The engine: ties the scheduler, the compiled step and the output streams together.
+
+One `step()` call (H = host, D = device):
+
+    H  finish step k-1: wait for its sampled tokens, scheduler.update_from_output, append them to
+       the penalty histories (the next pack reads them)
+    H  plan step k (scheduler.step), fork n > 1 requests whose prompt completes in it, pack the
+       plan into numpy arrays, dispatch the compiled step          -> D runs step k
+    H  while D runs step k: emit the outputs of step k-1 (incremental detokenization, stop-string
+       matching, RequestOutput objects) and return them; the caller's own work (the async engine
+       pushing outputs into asyncio queues and taking in new requests and cancellations,
+       LLM.generate's progress bar) also runs while D computes step k.
+
+JAX dispatch is asynchronous, so "dispatch" returns futures at once; the next step() blocks on
+them. What is not overlapped: update, scheduling and packing of step k+1 need step k's tokens
+(the scheduler decides stops and page needs from them), so the device idles for that host time.
+
+A stop string is matched one step late (after step k was dispatched): the request then wastes
+one token of step k, which the scheduler discards (it skips requests that finished after the plan
+was made). Requests finished by EOS, stop ids or length finish at update time. Cancelling
+(`abort`) releases the request's pages at once, even while a step that uses them is in flight:
+the next step that could reuse them runs after it on the device (kv_pages is threaded through).
+
+Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
+cannot collide with them); the first is added at once, the other n-1 are forked from it when a
+plan completes its prompt, sharing its prompt pages. Sample i uses seed + i.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from runtime.checkpoint import LoadedModel
+from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWatcher, StepExecutor
+from runtime.config import EngineConfig
+from runtime.kv_cache import init_kv_pages, kv_pages_shape
+from runtime.llm import CompletionOutput, RequestOutput
+from runtime.request import FINISH_ABORT, FINISH_STOP, SamplingParams, validate_prompt
+from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from runtime.step import BatchPacker, SeqSampling, make_step_fn
+from sharding.mesh import mesh_axis_size
+from sharding.rules import kv_cache_sharding
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_pages: int
+    num_free_pages: int
+    num_cached_pages: int  # unreferenced pages kept by the prefix cache
+    kv_usage: float
+    num_requests: int  # submitted (user requests)
+    num_finished: int  # user requests finished, aborted ones included
+    num_aborted: int
+    prompt_tokens: int  # prompt tokens of submitted sequences (each of n samples counts)
+    prefill_tokens: int  # prompt tokens actually computed (recomputation after preemption included)
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    decode_tokens: int
+    generated_tokens: int
+    num_preemptions: int
+    num_steps: int  # steps dispatched to the device
+    num_warmup_compiles: int
+    num_compiles_after_warmup: int  # step buckets missing from warmup plus any other compile while serving
+    warmup_seconds: float
+
+    @property
+    def prefill_saved_fraction(self) -> float:
+        """Share of submitted prompt tokens that were not computed (prefix cache, forks)."""
+        return 1.0 - self.prefill_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One sampled sequence: a scheduler request of a user request."""
+
+    sid: str  # scheduler request id
+    group: _Group
+    index: int
+    sampling: SeqSampling
+    detok: object | None  # IncrementalDetokenizer
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class _Group:
+    """One user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    seqs: list[_Seq] = field(default_factory=list)
+    to_fork: int = 0  # samples still to fork from seqs[0]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.params.stop), default=0)
+
+
+class Engine:
+    """Synchronous engine; drive it with add_request / abort / step from one thread."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None) -> None:
+        config = config or EngineConfig()
+        cfg = model.config
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        config = config.resolve(
+            max_position_embeddings=cfg.max_position_embeddings,
+            num_pages=None if config.num_pages else _estimate_num_pages(model, config, max_len),
+        )
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids: tuple[int, ...] = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=config.num_pages,
+                max_model_len=config.max_model_len,
+                page_size=config.page_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                watermark=config.watermark,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            )
+        )
+        kv_dtype = _DTYPES[config.kv_dtype] if config.kv_dtype else model.dtype
+        self.kv_pages = init_kv_pages(
+            cfg, config.num_pages, config.page_size, kv_dtype, kv_repeat=model.kv_repeat,
+            sharding=kv_cache_sharding(cfg, model.mesh),
+        )
+        self.buckets = BucketTable(config.token_bucket_table, config.seq_bucket_table)
+        self.packer = BatchPacker(
+            pages_per_seq=config.max_pages_per_seq,
+            history_len=config.max_model_len,
+            max_banned=config.max_stop_token_ids,
+            select_bucket=self.buckets.select,
+        )
+        self.executor = StepExecutor(
+            make_step_fn(model.forward, max_logprobs=config.max_logprobs),
+            params=model.params, kv_pages=self.kv_pages, mesh=model.mesh, table=self.buckets,
+            empty_batch=self.packer.empty, strict=config.strict_compile,
+        )
+        self._watcher = CompileWatcher()
+        self._watcher.open()
+        self._compiles_seen = 0
+        self._rng = np.random.default_rng(config.seed)
+        self._groups: dict[str, _Group] = {}  # live user requests
+        self._seqs: dict[str, _Seq] = {}  # live scheduler requests
+        self._sid_counter = itertools.count()
+        self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs (futures)
+        self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
+        self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
+        self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
+        if config.warmup:
+            self.warmup()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile the step for every bucket (progress bar); compiles after this are counted."""
+        self.executor.warmup(progress=self.config.progress)
+        self._compiles_seen = self._watcher.count
+
+    def close(self) -> None:
+        self._watcher.close()
+
+    # -- requests in ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError at once when it can never run.
+        `prompt_text` is the text of a prompt given as ids (reported back in the outputs)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._sid_counter)}"
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already live")
+        text, prompt_ids = self.prepare_prompt(prompt)
+        prompt_text = text if text is not None else prompt_text
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        group = _Group(request_id, prompt_text, prompt_ids, params, seed, to_fork=params.n - 1)
+        seq = self._new_seq(group, 0)
+        self.scheduler.add_request(seq.sid, prompt_ids, replace(params, n=1), eos_token_ids=self.eos_ids,
+                                   priority=priority, cache_salt=cache_salt)
+        self._groups[request_id] = group
+        self._seqs[seq.sid] = seq
+        self._counts["requests"] += 1
+        self._counts["prompt_tokens"] += len(prompt_ids) * params.n
+        return request_id
+
+    def prepare_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text (needs a tokenizer) or as ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine has none (pass token ids)")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, validate_prompt(prompt)
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError when a request can never run. Reads only configuration: safe to call
+        from any thread."""
+        cfg = self.config
+        V = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if t >= V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range; the vocabulary has {V} ids")
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {cfg.max_logprobs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        bad_ids = [t for t in params.stop_token_ids if t >= V]
+        if bad_ids:
+            raise ValueError(f"stop token id {bad_ids[0]} is out of range; the vocabulary has {V} ids")
+        if params.min_tokens > 0:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if len(banned) > cfg.max_stop_token_ids:
+                raise ValueError(
+                    f"min_tokens needs {len(banned)} EOS and stop token ids banned; max_stop_token_ids is "
+                    f"{cfg.max_stop_token_ids}"
+                )
+        # The scheduler's own limits (max_model_len, pool size); raises with both numbers.
+        self.scheduler._resolve_max_tokens("request", len(prompt_ids), params)
+
+    def _new_seq(self, group: _Group, index: int) -> _Seq:
+        sid = f"s{next(self._sid_counter)}"
+        tok = self.tokenizer
+        seq = _Seq(
+            sid=sid,
+            group=group,
+            index=index,
+            sampling=SeqSampling.create(replace(group.params, n=1), group.seed + index, group.prompt_ids,
+                                        self.eos_ids, self.config.max_model_len),
+            detok=tok.incremental_detokenizer(group.prompt_ids) if tok is not None else None,
+        )
+        if group.params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        group.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request now: its pages are released before this returns. False if not live."""
+        group = self._groups.get(request_id)
+        if group is None or group.finished:
+            return False
+        group.to_fork = 0
+        for seq in group.seqs:
+            if not seq.finished:
+                self.scheduler.abort(seq.sid)
+                self._finish_seq(seq, FINISH_ABORT, None)
+        self._counts["aborted"] += 1
+        self._ready.append(group)
+        return True
+
+    # -- the step -------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._groups) or self._inflight is not None or bool(self._pending) or bool(self._ready)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration (see the module docstring); returns the outputs it produced."""
+        with self._watcher.watch():
+            if self._inflight is not None:
+                self._finish_inflight()
+            plan = self.scheduler.step()
+            if not plan.is_empty:
+                self._fork(plan)
+                batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
+                tokens, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch)
+                self._inflight = (plan, tokens, logprobs)
+                self._counts["steps"] += 1
+            outputs = self._emit()  # overlaps the device step just dispatched
+            self._check_compiles()
+        return outputs
+
+    def _fork(self, plan: StepPlan) -> None:
+        for s in plan.seqs:
+            seq = self._seqs.get(s.request_id)
+            if seq is None or not s.sample or seq.group.to_fork == 0:
+                continue
+            group = seq.group
+            children = [self._new_seq(group, i) for i in range(1, group.to_fork + 1)]
+            self.scheduler.fork(seq.sid, [c.sid for c in children], [c.sampling.params for c in children])
+            for c in children:
+                self._seqs[c.sid] = c
+            group.to_fork = 0
+
+    def _finish_inflight(self) -> None:
+        plan, tokens, logprobs = self._inflight
+        self._inflight = None
+        n = plan.num_seqs
+        sampled = np.asarray(tokens)[:n]  # blocks until the device has run the step
+        rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
+        lp = None
+        if any(s.sample and s.request_id in self._seqs and self._seqs[s.request_id].logprobs is not None
+               for s in plan.seqs):
+            lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
+                  np.asarray(logprobs.top_logprobs)[:n])
+        for u in self.scheduler.update_from_output(plan, sampled):
+            seq = self._seqs[u.request_id]
+            seq.sampling.append(u.token_id)
+            row = None
+            if lp is not None and seq.logprobs is not None:
+                i, k = rows[u.request_id], seq.group.params.logprobs
+                row = {u.token_id: float(lp[0][i])}
+                for t, v in zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist()):
+                    row.setdefault(t, v)
+            self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
+            if u.finish_reason is not None:
+                del self._seqs[u.request_id]
+        if self._pending:
+            self._counts["generated"] += len(self._pending)
+
+    def _emit(self) -> list[RequestOutput]:
+        touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
+        self._ready = []
+        pending, self._pending = self._pending, []
+        for seq, token, lp_row, finish_reason, stop_reason in pending:
+            if seq.finished:  # aborted since the step was planned
+                continue
+            seq.output_ids.append(token)
+            if lp_row is not None:
+                seq.logprobs.append(lp_row)
+                seq.cumulative_logprob += lp_row[token]
+            if seq.detok is not None:
+                before = len(seq.text)
+                seq.text += seq.detok.step(token)
+                if seq.group.params.stop:
+                    hit = _find_stop(seq.text, seq.group.params.stop, before)
+                    if hit is not None:
+                        idx, stop = hit
+                        seq.text = seq.text[:idx]
+                        if finish_reason is None:
+                            self.scheduler.finish(seq.sid, FINISH_STOP, stop)
+                            self._seqs.pop(seq.sid, None)
+                        finish_reason, stop_reason = FINISH_STOP, stop
+            if finish_reason is not None:
+                self._finish_seq(seq, finish_reason, stop_reason)
+            touched[seq.group.request_id] = seq.group
+        return [self._output(g) for g in touched.values()]
+
+    def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._seqs.pop(seq.sid, None)
+        if seq.detok is not None and not (reason == FINISH_STOP and isinstance(stop_reason, str)):
+            seq.text += seq.detok.flush()
+        group = seq.group
+        if group.to_fork == 0 and all(s.finished for s in group.seqs):
+            group.finished = True
+            self._groups.pop(group.request_id, None)
+            self._counts["finished"] += 1
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for seq in group.seqs:
+            hold = 0 if seq.finished else max(group.max_stop_len - 1, 0)  # may still become a stop string
+            visible = max(seq.emitted_chars, len(seq.text) - hold)
+            new_text = seq.text[seq.emitted_chars : visible]
+            new_ids = seq.output_ids[seq.emitted_tokens :]
+            seq.emitted_chars, seq.emitted_tokens = visible, len(seq.output_ids)
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text[:visible], token_ids=list(seq.output_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                new_text=new_text, new_token_ids=new_ids,
+            ))
+        if group.seqs and not group.num_cached_tokens:
+            req = self.scheduler.get_request(group.seqs[0].sid)
+            if req is not None:
+                group.num_cached_tokens = req.num_cached_tokens
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_ids), outs, group.finished,
+                             group.num_cached_tokens)
+
+    def _check_compiles(self) -> None:
+        if not self.executor.warmed_up:
+            return
+        new = self._watcher.count - self._compiles_seen
+        if new > 0:
+            self._compiles_seen = self._watcher.count
+            self.executor.num_compiles_after_warmup += new
+            msg = f"{new} XLA compile(s) while serving, after warmup"
+            if self.config.strict_compile:
+                raise CompileAfterWarmupError(msg)
+            logger.error("ALERT: %s", msg)
+
+    # -- stats and checks -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        c = self._counts
+        ex = self.executor
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_total_pages=self.config.num_pages,
+            num_free_pages=s.num_free_pages, num_cached_pages=s.num_cached_pages, kv_usage=s.kv_usage,
+            num_requests=c["requests"], num_finished=c["finished"], num_aborted=c["aborted"],
+            prompt_tokens=c["prompt_tokens"], prefill_tokens=s.prefill_tokens,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, prefix_cache_query_tokens=s.prefix_cache_query_tokens,
+            decode_tokens=s.decode_tokens, generated_tokens=c["generated"], num_preemptions=s.num_preemptions,
+            num_steps=c["steps"], num_warmup_compiles=ex.num_warmup_compiles,
+            num_compiles_after_warmup=ex.num_compiles_after_warmup, warmup_seconds=ex.warmup_seconds,
+        )
+
+    def check_invariants(self) -> None:
+        """AssertionError when bookkeeping is off; when idle, also that no page is held."""
+        self.scheduler.check_invariants()
+        alloc = self.scheduler.allocator
+        if not self.has_unfinished():
+            assert not self._seqs and not self._groups, "live sequences remain"
+            assert alloc.num_referenced == 0, f"{alloc.num_referenced} pages still referenced"
+            assert alloc.num_free + alloc.num_cached == self.config.num_pages, (
+                f"free {alloc.num_free} + cached {alloc.num_cached} != {self.config.num_pages} pages"
+            )
+
+
+def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends in text[new_from:], as (start index, stop string)."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _estimate_num_pages(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+    """Pages for the pool: on CPU, room for every slot at full length; on an accelerator, the
+    configured share of the memory left on the first device after the weights."""
+    G = config.page_size
+    per_seq = -(-max_model_len // G)
+    enough = config.max_num_seqs * per_seq
+    dev = model.mesh.devices.flat[0]
+    if dev.platform == "cpu":
+        return enough
+    stats = dev.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return enough
+    cfg = model.config
+    kv_dtype = _DTYPES[config.kv_dtype] if config.kv_dtype else model.dtype
+    shape = kv_pages_shape(cfg, 1, G, model.kv_repeat)
+    shards = mesh_axis_size(model.mesh, "tensor") if kv_cache_sharding(cfg, model.mesh).spec[2] else 1
+    page_bytes = cfg.num_layers * int(np.prod(shape)) * np.dtype(kv_dtype).itemsize // shards
+    free = limit * config.kv_memory_fraction - stats.get("bytes_in_use", 0)
+    pages = int(free // page_bytes)
+    if pages < per_seq:
+        raise ValueError(
+            f"only {pages} KV pages fit in {free / 2**30:.2f} GiB ({page_bytes} bytes each); one sequence of "
+            f"max_model_len {max_model_len} needs {per_seq}"
+        )
+    return pages

@@ -1,0 +1,163 @@
+"""Offline API: `LLM(model=..., **engine_config).generate(prompts, params) -> list[RequestOutput]`,
+and the output types every engine API returns.
+
+    from xlaserve import LLM, SamplingParams
+    llm = LLM(model="/path/to/model", max_num_seqs=64)
+    outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0.8, max_tokens=64))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from tqdm.auto import tqdm
+
+from runtime.request import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.checkpoint import LoadedModel
+    from runtime.engine import Engine
+    from runtime.tokenizer import Tokenizer
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence of a request (`n` of them per request).
+
+    text and token_ids are cumulative; new_text and new_token_ids are what this output added to
+    the previous output of the same stream (the whole sequence in a final offline result).
+    token_ids include the EOS or stop token that ended the sequence; text excludes a matched stop
+    string and anything after it.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # None unless logprobs were requested
+    logprobs: list[dict[int, float]] | None  # per token: sampled id and the top-n ids -> logprob
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+
+
+class LLM:
+    """A model plus an engine, for batch generation in one process.
+
+    `model` is anything `runtime.checkpoint.load_model` takes (a path or a preset name) or an
+    already loaded model; keyword arguments are EngineConfig fields.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | LoadedModel,
+        *,
+        tokenizer: str | Path | Tokenizer | None = None,
+        **engine_config,
+    ) -> None:
+        from runtime.checkpoint import LoadedModel, load_model
+        from runtime.config import EngineConfig
+        from runtime.engine import Engine
+        from runtime.tokenizer import Tokenizer, load_tokenizer
+
+        config = EngineConfig(**engine_config)
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:
+            loaded = load_model(model, mesh=config.mesh.make_mesh(), dtype=config.dtype, seed=config.seed,
+                                progress=config.progress)
+        if tokenizer is None and loaded.tokenizer_path is not None:
+            tokenizer = loaded.tokenizer_path
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            tokenizer = load_tokenizer(tokenizer)
+        self.engine = Engine(loaded, config, tokenizer=tokenizer)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """Wrap an existing (warmed up) engine."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) and return the final outputs in order."""
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        if engine.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests; LLM.generate needs it to itself")
+        ids = []
+        try:
+            for p, sp in zip(prompt_list, params):
+                ids.append(engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        show = engine.config.progress if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not show) as bar:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+
+def _normalize_prompts(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        return []
+    if all(isinstance(p, str) for p in prompts):
+        return prompts
+    if all(isinstance(p, numbers.Integral) for p in prompts):
+        return [[int(p) for p in prompts]]  # one prompt of token ids
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
+            out.append([int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)])
+        else:
+            raise TypeError(f"a prompt must be a str or a sequence of token ids, got {type(p).__name__}")
+    return out
