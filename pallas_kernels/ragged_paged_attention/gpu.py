@@ -73,11 +73,11 @@ def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, i
     G = kv_pages.shape[1]
     P_max = page_indices.shape[1]
     bkv = bs.kv_pages_per_block * G
+    if bs.kv_pages_per_block > P_max:
+        raise ValueError(f"kv_pages_per_block={bs.kv_pages_per_block} exceeds page_indices.shape[1]={P_max}")
     if bkv & (bkv - 1) or bkv < 16:
         raise ValueError(f"kv_pages_per_block * page size = {bs.kv_pages_per_block} * {G} = {bkv} keys; "
                          "Triton needs a power of two >= 16")
-    if bs.kv_pages_per_block > P_max:
-        raise ValueError(f"kv_pages_per_block={bs.kv_pages_per_block} exceeds page_indices.shape[1]={P_max}")
     if H & (H - 1) or H < 16:
         raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
     splits = bs.kv_splits if bs.kv_splits is not None else default_block_sizes(q, kv_pages, page_indices).kv_splits

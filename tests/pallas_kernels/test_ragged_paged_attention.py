@@ -1,0 +1,450 @@
+"""Ragged paged attention kernels vs the pure-jnp reference, the KV write, validators, dispatch.
+
+CPU: the TPU kernel (interpret=True, and a few cases under pltpu.InterpretParams, which raises on
+out-of-bounds reads and fills uninitialized memory with NaN) and the Triton GPU kernel
+(interpret=True), over dtype x case. Inputs poison everything a kernel must not use: unused pages,
+unwritten slots of a sequence's last page and padding query tokens are NaN, page_indices entries
+past a sequence's pages and metadata past num_seqs are out-of-range junk. Valid outputs must match
+the reference within tests/tolerances.py; padding outputs must be finite.
+
+Cases that share a shape differ only in metadata values, so they reuse one compiled kernel: that
+keeps this file inside its CPU time budget. `gpu`-marked tests run the Triton kernel for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import dispatch
+from pallas_kernels.ragged_paged_attention import (
+    BlockSizes, gpu, ragged_paged_attention, ref_cost_estimate, ref_ragged_paged_attention,
+    ref_write_kv_pages, tpu, validate_inputs)
+from tests.tolerances import tol
+
+ON_GPU = jax.default_backend() == "gpu"
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+DTYPES = [jnp.float32, jnp.bfloat16]
+JUNK = 1 << 20  # page index / length far out of range
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    N: int = 8
+    K: int = 2
+    H: int = 128
+    G: int = 16
+    T: int = 46  # not a multiple of the test token blocks
+    S: int = 6  # page_indices rows; rows past num_seqs hold junk
+    P_max: int = 8
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    pages: int | None = None  # cache size; default: enough for every row, plus spare NaN pages
+
+    @property
+    def P(self) -> int:
+        return self.pages or self.S * self.P_max + 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+
+BASE = Shape()
+# Metadata-only cases on one shape (GQA 4, H=128, pages of 16).
+BATCHES = {
+    "decode_only": Batch((1, 1, 1, 1, 1, 1), (1, 16, 17, 33, 128, 70)),
+    "prefill_only": Batch((17, 16, 1, 12), (17, 16, 1, 12)),
+    "mixed": Batch((1, 20, 1, 9, 1), (100, 20, 64, 73, 5)),
+    "page_boundary": Batch((16, 1, 15, 1, 2), (32, 16, 47, 49, 64)),
+    "single_token": Batch((1,), (1,)),
+    "empty_q_seq": Batch((3, 0, 5, 0, 2), (10, 7, 40, 3, 2)),
+    "no_seqs": Batch((), ()),
+    "full_budget": Batch((30, 16), (128, 16)),
+}
+
+
+def _shape_batch(s: Shape) -> Batch:
+    """Decode, a fresh prefill, a chunk crossing pages and a page-boundary decode on any shape."""
+    G = s.G
+    return Batch((1, 7, 5, 1), (1, 7, 2 * G - 1, min(s.P_max * G, 2 * G + 1)))
+
+
+# Shape cases: each compiles once per kernel and dtype.
+SHAPES = {
+    "gqa1_h64": Shape(N=4, K=4, H=64, T=24, P_max=3),
+    "gqa2_page32": Shape(N=8, K=4, G=32, T=24, P_max=3),
+    "gqa3": Shape(N=12, K=4, H=64, T=24, P_max=3),
+    "gqa8_h256_page64": Shape(N=8, K=1, H=256, G=64, T=24, P_max=3),
+    "gqa16_page128": Shape(N=16, K=1, H=64, G=128, T=24, P_max=3),
+    "kv_head_blocks": Shape(N=32, K=16, H=64, T=24, P_max=3),  # TPU grid splits KV heads
+    "sliding_window": Shape(sliding_window=20),
+    "soft_cap": Shape(soft_cap=5.0),
+    "window_cap_page64": Shape(G=64, T=24, P_max=3, sliding_window=50, soft_cap=3.0),
+}
+
+CASES = {**{k: (BASE, b) for k, b in BATCHES.items()}, **{k: (s, _shape_batch(s)) for k, s in SHAPES.items()}}
+
+
+def make_inputs(shape: Shape, batch: Batch, dtype, seed: int):
+    """Arguments of the op (numpy -> jnp) with every unused value poisoned, and the real token count."""
+    rng = np.random.default_rng(seed)
+    N, K, H, G, T, S, P_max, P = shape.N, shape.K, shape.H, shape.G, shape.T, shape.S, shape.P_max, shape.P
+    n = len(batch.q_lens)
+    assert n <= S and sum(batch.q_lens) <= T and max(batch.kv_lens, default=0) <= P_max * G
+    kv = np.full((P, G, 2 * K, H), np.nan, np.float32)
+    page_indices = rng.integers(P + 1, JUNK, (S, P_max)).astype(np.int32)
+    free = rng.permutation(P)
+    used = 0
+    for s, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
+        assert q_len <= kv_len
+        pages = free[used: used + -(-kv_len // G)]
+        used += len(pages)
+        page_indices[s, : len(pages)] = pages
+        kv[pages] = rng.standard_normal((len(pages), G, 2 * K, H))
+        kv[pages[-1], kv_len - (len(pages) - 1) * G:] = np.nan  # slots not written yet
+    cu = np.concatenate([[0], np.cumsum(batch.q_lens, dtype=np.int64)]).astype(np.int32)
+    cu_q_lens = np.concatenate([cu, rng.integers(0, JUNK, S - n)]).astype(np.int32)
+    kv_lens = np.concatenate([np.asarray(batch.kv_lens, np.int32), rng.integers(0, JUNK, S - n)]).astype(np.int32)
+    q = rng.standard_normal((T, N, H)).astype(np.float32)
+    q[cu[-1]:] = np.nan
+    args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(kv_lens), jnp.asarray(page_indices),
+            jnp.asarray(cu_q_lens), jnp.asarray([n], jnp.int32))
+    return args, int(cu[-1])
+
+
+def _opts(shape: Shape) -> dict:
+    return dict(sm_scale=shape.H ** -0.5, sliding_window=shape.sliding_window, soft_cap=shape.soft_cap)
+
+
+@functools.lru_cache(maxsize=None)
+def case_inputs(case: str, dtype_name: str):
+    """Inputs and the reference output of a case, shared by every kernel's test."""
+    shape, batch = CASES[case]
+    seed = zlib.crc32(f"{case}/{dtype_name}".encode())
+    args, n_real = make_inputs(shape, batch, jnp.dtype(dtype_name), seed)
+    ref = jax.jit(functools.partial(ref_ragged_paged_attention, **_opts(shape)))(*args)
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(ref[:n_real]).all()
+    return args, ref, n_real
+
+
+def check_kernel(run, case: str, dtype):
+    args, ref, n_real = case_inputs(case, jnp.dtype(dtype).name)
+    out = run(*args, **_opts(CASES[case][0]))
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), "non-finite output (padding tokens must be finite too)"
+    atol, rtol = tol(dtype)
+    np.testing.assert_allclose(out[:n_real], ref[:n_real], atol=atol, rtol=rtol)
+
+
+def gpu_test_blocks(shape: Shape, splits: int) -> BlockSizes:
+    return BlockSizes(q_tokens_per_block=4, kv_pages_per_block=max(1, 32 // shape.G), kv_splits=splits)
+
+
+TPU_TEST_BLOCKS = BlockSizes(q_tokens_per_block=8, kv_pages_per_block=2)
+
+
+# ---- TPU kernel (Mosaic), interpret mode ----------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_tpu_kernel(case, dtype):
+    check_kernel(functools.partial(tpu.ragged_paged_attention, block_sizes=TPU_TEST_BLOCKS, interpret=True),
+                 case, dtype)
+
+
+@pytest.mark.parametrize("case,dtype", [("mixed", jnp.float32), ("mixed", jnp.bfloat16),
+                                        ("window_cap_page64", jnp.float32)], ids=str)
+def test_tpu_kernel_simulated(case, dtype):
+    """TPU memory simulation: DMAs, semaphores, out-of-bounds reads raise, scratch starts as NaN."""
+    check_kernel(functools.partial(tpu.ragged_paged_attention, block_sizes=TPU_TEST_BLOCKS,
+                                   interpret=pltpu.InterpretParams()), case, dtype)
+
+
+def test_tpu_simulator_catches_bad_page_index():
+    """A page index past the cache, if validation is bypassed, is an out-of-bounds DMA read."""
+    args, _, _ = case_inputs("mixed", "float32")
+    page_indices = args[3].at[1, 0].set(BASE.P + 3)
+    with pytest.raises(Exception, match="(?i)out[- ]of[- ]bounds"):
+        jax.block_until_ready(tpu._ragged_paged_attention(
+            *args[:3], page_indices, *args[4:], **_opts(BASE), block_sizes=TPU_TEST_BLOCKS,
+            interpret=pltpu.InterpretParams()))
+
+
+def test_tpu_default_block_sizes():
+    check_kernel(functools.partial(tpu.ragged_paged_attention, interpret=True), "mixed", jnp.bfloat16)
+
+
+# ---- GPU kernel (Triton), interpret mode ----------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gpu_kernel(case, dtype):
+    splits = 1 if case in SHAPES and list(SHAPES).index(case) % 2 else 2  # both epilogues over shapes
+    bs = gpu_test_blocks(CASES[case][0], splits)
+    check_kernel(functools.partial(gpu.ragged_paged_attention, block_sizes=bs, interpret=True), case, dtype)
+
+
+@pytest.mark.parametrize("case", ["decode_only", "prefill_only"])
+def test_gpu_default_block_sizes(case):
+    check_kernel(functools.partial(gpu.ragged_paged_attention, interpret=True), case, jnp.bfloat16)
+
+
+def test_gpu_kernel_lowers_for_cuda():
+    """Pallas' Triton lowering (to Triton IR) runs on CPU: catches unsupported ops before a GPU run."""
+    args, _, _ = case_inputs("mixed", "bfloat16")
+    for splits in (1, 3):
+        f = functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sliding_window=9, soft_cap=4.0,
+                              block_sizes=gpu_test_blocks(BASE, splits))
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text
+
+
+def test_op_by_implementation_name():
+    args, ref, n = case_inputs("mixed", "float32")
+    for impl in ("tpu", "gpu"):
+        out = ragged_paged_attention(*args, **_opts(BASE), implementation=impl, interpret=True)
+        np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], *tol(jnp.float32)[::-1])
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        ragged_paged_attention(*args, **_opts(BASE), implementation="cuda")
+
+
+# ---- reference and dispatch -----------------------------------------------------------------------
+
+def test_reference_is_causal_attention():
+    """The oracle against a direct numpy softmax over each sequence's gathered keys."""
+    args, ref, n_real = case_inputs("mixed", "float32")
+    q, kv, kv_lens, pi, cu, _ = (np.asarray(a) for a in args)
+    shape, batch = CASES["mixed"]
+    G, K, qpk = shape.G, shape.K, shape.N // shape.K
+    for s, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
+        keys = kv[pi[s, : -(-kv_len // G)]].reshape(-1, 2 * K, shape.H)[:kv_len]
+        for i in range(q_len):
+            t, pos = cu[s] + i, kv_len - q_len + i
+            for n in range(shape.N):
+                k, v = keys[: pos + 1, 2 * (n // qpk)], keys[: pos + 1, 2 * (n // qpk) + 1]
+                w = np.exp(q[t, n] @ k.T * shape.H ** -0.5 - np.max(q[t, n] @ k.T * shape.H ** -0.5))
+                np.testing.assert_allclose(ref[t, n], w @ v / w.sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_on_cpu_runs_reference():
+    args, ref, n = case_inputs("mixed", "bfloat16")
+    out = jax.jit(functools.partial(dispatch.ragged_paged_attention, **_opts(BASE)))(*args)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32))[:n], ref[:n])
+    assert dispatch._platform(args[0]) == "cpu"
+    with pytest.raises(ValueError, match="implementation"):
+        dispatch.ragged_paged_attention(*args, **_opts(BASE), implementation="cuda")
+
+
+def test_cost_estimate_counts_reference_work():
+    args, _, _ = case_inputs("mixed", "bfloat16")
+    q, kv = args[0], args[1]
+    c = ref_cost_estimate(q, kv, args[3])
+    keys = BASE.P_max * BASE.G
+    assert c.flops == 4 * BASE.T * BASE.N * BASE.H * keys
+    assert c.transcendentals == BASE.T * BASE.N * keys
+    assert c.bytes_accessed >= min(BASE.P, BASE.S * BASE.P_max) * BASE.G * 2 * BASE.K * BASE.H * 2
+
+
+# ---- KV write -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_write_kv_pages(dtype):
+    """Each real token lands in page page_indices[s, pos // G], slot pos % G; padding writes nothing;
+    writes that cross a page boundary split across two pages."""
+    rng = np.random.default_rng(7)
+    G, K, H, P, S, P_max, T = 4, 2, 8, 12, 4, 4, 11
+    q_lens, kv_lens = (3, 1, 4), (5, 4, 9)  # seq 0 crosses pages 0|1, seq 1 ends a page, seq 2 spans 3
+    pi = np.full((S, P_max), JUNK, np.int32)
+    pi[0, :2], pi[1, :1], pi[2, :3] = [7, 2], [5], [0, 11, 3]
+    cu = np.array([0, 3, 4, 8, JUNK], np.int32)
+    kv0 = rng.standard_normal((P, G, 2 * K, H)).astype(np.float32)
+    k = rng.standard_normal((T, K, H)).astype(np.float32)
+    v = rng.standard_normal((T, K, H)).astype(np.float32)
+    out = ref_write_kv_pages(jnp.asarray(kv0, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                             jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi), jnp.asarray(cu),
+                             jnp.asarray([3], jnp.int32))
+    want = np.asarray(jnp.asarray(kv0, dtype).astype(jnp.float32)).copy()
+    kq, vq = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k, v))
+    for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(q_len):
+            pos, t = kv_len - q_len + i, cu[s] + i
+            want[pi[s, pos // G], pos % G, 0::2] = kq[t]
+            want[pi[s, pos // G], pos % G, 1::2] = vq[t]
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+    assert out.dtype == dtype
+    written = np.zeros((P, G), bool)
+    written[[7, 7, 2], [2, 3, 0]] = written[5, 3] = True
+    written[[11, 11, 11, 3], [1, 2, 3, 0]] = True
+    untouched = np.asarray(out.astype(jnp.float32))[~written]
+    np.testing.assert_array_equal(untouched, want[~written])  # padding tokens 8..10 wrote nothing
+    assert np.asarray(dispatch.write_kv_pages(jnp.asarray(kv0), jnp.asarray(k), jnp.asarray(v),
+                                              jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi),
+                                              jnp.asarray(cu), jnp.asarray([0], jnp.int32)) == kv0).all()
+
+
+def test_write_then_attend_matches_dense_attention():
+    """Write a whole prompt through ref_write_kv_pages, then attend: equals dense causal attention."""
+    rng = np.random.default_rng(3)
+    T, N, K, H, G = 9, 4, 2, 16, 4
+    P, P_max = 6, 3
+    q, k, v = (rng.standard_normal((T, n, H)).astype(np.float32) for n in (N, K, K))
+    meta = (jnp.asarray([T], jnp.int32), jnp.asarray([[4, 1, 5]], jnp.int32), jnp.asarray([0, T], jnp.int32),
+            jnp.asarray([1], jnp.int32))
+    kv = ref_write_kv_pages(jnp.full((P, G, 2 * K, H), jnp.nan), jnp.asarray(k), jnp.asarray(v), *meta)
+    out = ref_ragged_paged_attention(jnp.asarray(q), kv, *meta, sm_scale=0.25)
+    kk, vv = np.repeat(k, N // K, 1), np.repeat(v, N // K, 1)
+    logits = np.einsum("tnh,snh->nts", q, kk) * 0.25 + np.triu(np.full((T, T), -np.inf), 1)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("nts,snh->tnh", w / w.sum(-1, keepdims=True), vv)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def _valid_args():
+    return list(case_inputs("mixed", "float32")[0])
+
+
+def _replace(i, value):
+    args = _valid_args()
+    args[i] = value
+    return args
+
+
+BAD_INPUTS = {
+    "q_rank": (lambda: _replace(0, jnp.zeros((46, 8 * 128))), "q must have 3 dims"),
+    "head_dim": (lambda: _replace(0, jnp.zeros((46, 8, 64))), "head dim"),
+    "n_not_multiple_of_k": (lambda: _replace(0, jnp.zeros((46, 7, 128))), r"N=7 heads, not a multiple of K=2"),
+    "odd_kv_axis": (lambda: _replace(1, jnp.zeros((53, 16, 3, 128))), r"kv_pages.shape\[2\]=3"),
+    "kv_dtype": (lambda: _replace(1, _valid_args()[1].astype(jnp.bfloat16)), "kv_pages dtype bfloat16"),
+    "q_dtype": (lambda: _replace(0, _valid_args()[0].astype(jnp.float16)), "q dtype float16"),
+    "kv_lens_len": (lambda: _replace(2, jnp.zeros((5,), jnp.int32)), "kv_lens has 5 entries"),
+    "kv_lens_dtype": (lambda: _replace(2, _valid_args()[2].astype(jnp.float32)), "kv_lens must be int32"),
+    "cu_q_lens_len": (lambda: _replace(4, jnp.zeros((6,), jnp.int32)), "cu_q_lens has 6 entries"),
+    "num_seqs_shape": (lambda: _replace(5, jnp.asarray([1, 1], jnp.int32)), "num_seqs must have shape"),
+    "page_out_of_range": (lambda: _replace(3, _valid_args()[3].at[2, 3].set(53)), r"page_indices\[2, 3\]=53"),
+    "negative_page": (lambda: _replace(3, _valid_args()[3].at[0, 0].set(-1)), r"page_indices\[0, 0\]=-1"),
+    "kv_len_below_q_len": (lambda: _replace(2, _valid_args()[2].at[1].set(19)), r"kv_lens\[1\]=19"),
+    "kv_len_past_pages": (lambda: _replace(2, _valid_args()[2].at[0].set(129)), r"kv_lens\[0\]=129"),
+    "cu_decreasing": (lambda: _replace(4, _valid_args()[4].at[2].set(0)), "non-decreasing"),
+    "too_many_tokens": (lambda: _replace(4, _valid_args()[4].at[5].set(47)), "exceed the q budget T=46"),
+    "num_seqs_too_big": (lambda: _replace(5, jnp.asarray([7], jnp.int32)), r"num_seqs=7 must be in \[0, 6\]"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_bad_inputs_raise(bad, impl):
+    make, message = BAD_INPUTS[bad]
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*make(), sm_scale=0.1, implementation=impl, interpret=True)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(sliding_window=0), "sliding_window=0"),
+    (dict(sliding_window=2.5), "sliding_window=2.5"),
+    (dict(soft_cap=0.0), "soft_cap=0.0"),
+    (dict(soft_cap=-1.0), "soft_cap=-1.0"),
+    (dict(sm_scale=float("nan")), "sm_scale=nan"),
+], ids=str)
+def test_bad_options_raise(kwargs, message):
+    kwargs = {"sm_scale": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        validate_inputs(*_valid_args(), **kwargs)
+
+
+def test_value_checks_skip_under_jit():
+    """Under jit the metadata is traced: only static checks run, and the kernel still works."""
+    args, ref, n = case_inputs("decode_only", "float32")
+    f = jax.jit(functools.partial(tpu.ragged_paged_attention, **_opts(BASE), block_sizes=TPU_TEST_BLOCKS,
+                                  interpret=True))
+    np.testing.assert_allclose(np.asarray(f(*args))[:n], ref[:n], *tol(jnp.float32)[::-1])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q_tokens_per_block=0), "q_tokens_per_block=0"),
+    (dict(kv_pages_per_block=-2), "kv_pages_per_block=-2"),
+    (dict(kv_splits=True), "kv_splits=True"),
+    (dict(num_warps=3), "num_warps=3 must be a power of two"),
+    (dict(kv_heads_per_block=1.5), "kv_heads_per_block=1.5"),
+], ids=str)
+def test_block_sizes_validate(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlockSizes(**kwargs)
+
+
+@pytest.mark.parametrize("impl,bs,message", [
+    ("tpu", BlockSizes(kv_heads_per_block=3), "kv_heads_per_block=3 must divide K=2"),
+    ("tpu", BlockSizes(kv_pages_per_block=9), "kv_pages_per_block=9 exceeds"),
+    ("gpu", BlockSizes(kv_pages_per_block=3), "3 \\* 16 = 48 keys"),
+    ("gpu", BlockSizes(kv_pages_per_block=9), "kv_pages_per_block=9 exceeds"),
+], ids=str)
+def test_block_sizes_checked_against_shapes(impl, bs, message):
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*_valid_args(), sm_scale=0.1, block_sizes=bs, implementation=impl, interpret=True)
+
+
+def test_tpu_rejects_untiled_kv_head_block():
+    """bf16 KV heads per block must give whole 16-row sublane tiles of the 2K axis, or be all of K."""
+    args, _ = make_inputs(Shape(N=8, K=8, H=64, T=8, P_max=2), Batch((1,), (5,)), jnp.bfloat16, 0)
+    with pytest.raises(ValueError, match="whole sublane tiles"):
+        tpu.ragged_paged_attention(*args, sm_scale=0.1, block_sizes=BlockSizes(kv_heads_per_block=4, kv_pages_per_block=1),
+                                   interpret=True)
+
+
+# ---- Real GPU -------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "decode_32x_page16": (Shape(N=32, K=8, H=128, G=16, T=32, S=32, P_max=128, pages=2200),
+                          Batch((1,) * 32, tuple(int(x) for x in np.linspace(1, 2048, 32)))),
+    "mixed_page64_h64": (Shape(N=16, K=4, H=64, G=64, T=600, S=12, P_max=40, pages=120),
+                         Batch((1, 300, 1, 200, 1, 1, 90), (2500, 300, 64, 1000, 65, 1, 2559))),
+    "window_cap_h256": (Shape(N=8, K=2, H=256, G=32, T=300, S=4, P_max=40, sliding_window=256, soft_cap=30.0,
+                              pages=90),
+                        Batch((1, 250, 1), (1200, 1000, 257))),
+    "gqa8_page128": (Shape(N=8, K=1, H=128, G=128, T=64, S=8, P_max=16, pages=40),
+                     Batch((1, 1, 50, 1), (2048, 129, 50, 1777))),
+}
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_gpu_kernel_on_device(case, dtype, splits):
+    shape, batch = GPU_CASES[case]
+    for seed in (0, 1):  # fresh inputs: a race shows as a moving error
+        args, n_real = make_inputs(shape, batch, dtype, seed + 100 * (splits or 0))
+        ref = np.asarray(jax.jit(functools.partial(ref_ragged_paged_attention, **_opts(shape)))(*args)
+                         .astype(jnp.float32))
+        bs = None if splits is None else dataclasses.replace(gpu.default_block_sizes(*args[:2], args[3]),
+                                                              kv_splits=splits)
+        out = gpu.ragged_paged_attention(*args, **_opts(shape), block_sizes=bs)
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out[:n_real], ref[:n_real], *tol(dtype)[::-1])
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_dispatch_on_gpu_runs_triton_kernel():
+    shape, batch = GPU_CASES["mixed_page64_h64"]
+    args, n_real = make_inputs(shape, batch, jnp.bfloat16, 5)
+    f = jax.jit(functools.partial(dispatch.ragged_paged_attention, **_opts(shape)))
+    assert "triton" in f.lower(*args).as_text()
+    out = np.asarray(f(*args).astype(jnp.float32))
+    want = np.asarray(gpu.ragged_paged_attention(*args, **_opts(shape)).astype(jnp.float32))
+    np.testing.assert_array_equal(out, want)
