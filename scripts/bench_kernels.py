@@ -138,12 +138,88 @@ def bench_prefill(seq_lens=(1024, 4096, 16384), *, B=4, N=32, K=8, H=128, varian
     return rows
 
 
-def bench_decode(ceilings=None) -> list[dict]:
-    """Decode attention GB/s over a paged KV cache (64 x 4k and 8 x 32k contexts, K=8, H=128,
-    pages of 16 and 64), as a fraction of the measured copy bandwidth: owned by the
-    ragged-paged-attention kernel, which replaces this function; until then it reports no rows."""
-    del ceilings
-    return []
+def bench_decode(ceilings=None, *, configs=((64, 4096, 16), (64, 4096, 64), (8, 32768, 16), (8, 32768, 64)),
+                 N=32, K=8, H=128, sweep=True) -> list[dict]:
+    """Decode attention over a paged bf16 KV cache: one query token per sequence, S sequences of ctx
+    keys each, pages of G tokens scattered at random over the cache (as after many alloc/free
+    cycles). Bytes that must move: every K and V row of every sequence once, q read, output
+    written (page tables are counted too, ~0.1%). GB/s = bytes / median time; frac_of_copy divides
+    by the copy bandwidth measured in the same run. Each variant is checked against the pure-jnp
+    reference on the same inputs (rel. L2 error). sweep=False times only the default tiles and the
+    XLA reference; sweep=True adds tile variants (keys per step, warps, pipeline stages, splits).
+    """
+    import dataclasses
+    from functools import partial
+
+    from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+    from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+
+    sm_scale = 1.0 / math.sqrt(H)
+    rows = []
+    for S, ctx, G in configs:
+        pages_per_seq = ctx // G
+        P = S * pages_per_seq
+        key = jax.random.key(S * ctx + G)
+        k1, k2, k3 = jax.random.split(key, 3)
+        kv_pages = jax.random.normal(k1, (P, G, 2 * K, H), jnp.bfloat16)  # [P, G, 2K, H]
+        page_indices = jax.random.permutation(k2, P).astype(jnp.int32).reshape(S, pages_per_seq)
+        q = jax.random.normal(k3, (S, N, H), jnp.bfloat16)  # [T=S, N, H]
+        kv_lens = jnp.full((S,), ctx, jnp.int32)
+        cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)
+        num_seqs = jnp.asarray([S], jnp.int32)
+        args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        nbytes = S * ctx * 2 * K * H * 2 + 2 * S * N * H * 2 + page_indices.size * 4
+        ref_fn = jax.jit(partial(ref_ragged_paged_attention, sm_scale=sm_scale))
+        ref = ref_fn(*args)
+        base = rpa_gpu.default_block_sizes(q, kv_pages, page_indices)
+        impls = {f"pallas_default(b{base.kv_pages_per_block * G},w{base.num_warps},s{base.num_stages},"
+                 f"x{base.kv_splits})": base}
+        if sweep:
+            for keys, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3),
+                                (128, 8, 3), (128, 8, 4), (256, 8, 3)):
+                if keys % G == 0:
+                    impls[f"pallas_b{keys}_w{w}_s{st}"] = dataclasses.replace(
+                        base, kv_pages_per_block=keys // G, num_warps=w, num_stages=st)
+            for x in (1, 2, 4, 8, 16, 32):
+                if x != base.kv_splits:
+                    impls[f"pallas_splits{x}"] = dataclasses.replace(base, kv_splits=x)
+        fns = {name: jax.jit(partial(rpa_gpu.ragged_paged_attention, sm_scale=sm_scale, block_sizes=bs))
+               for name, bs in impls.items()}
+        fns["xla_reference"] = ref_fn
+        for name, f in fns.items():
+            row = {"S": S, "ctx": ctx, "G": G, "N": N, "K": K, "H": H, "impl": name, "bytes": nbytes}
+            try:
+                out = jax.block_until_ready(f(*args))
+                row["rel_err"] = _rel_err(out, ref)
+                row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+                t = time_call(f, *args)
+                row.update(seconds=t, gbytes_per_s=nbytes / t / 1e9)
+                if ceilings:
+                    row["frac_of_copy"] = nbytes / t / ceilings["copy_bytes_per_s"]
+            except Exception as e:  # a failing variant is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            rows.append(row)
+            print(_fmt_decode_row(row), flush=True)
+        del kv_pages, args, ref
+    best = {}
+    for r in rows:
+        k = (r["S"], r["ctx"], r["G"])
+        if "seconds" in r and r["impl"] != "xla_reference" and r.get("rel_err", 1) < 2e-2 and r["finite"]:
+            if k not in best or r["seconds"] < best[k]["seconds"]:
+                best[k] = r
+    print("\n== decode (bf16 paged KV, N=%d K=%d H=%d): best valid Pallas variant per shape ==" % (N, K, H))
+    for r in best.values():
+        print(_fmt_decode_row(r))
+    return rows
+
+
+def _fmt_decode_row(r: dict) -> str:
+    head = f"S={r['S']:>3} ctx={r['ctx']:>6} G={r['G']:>3} {r['impl']:<30}"
+    if "error" in r:
+        return f"{head} {r['error']}"
+    frac = f"{r['frac_of_copy']:.0%}" if "frac_of_copy" in r else "-"
+    return (f"{head} {r['seconds'] * 1e3:8.3f} ms {r['gbytes_per_s']:7.0f} GB/s ({frac} of copy) "
+            f"rel_err {r['rel_err']:.1e}{'' if r['finite'] else ' NON-FINITE'}")
 
 
 def _fmt_prefill_row(r: dict) -> str:
