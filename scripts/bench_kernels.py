@@ -175,9 +175,10 @@ def bench_decode(ceilings=None, *, configs=((64, 4096, 16), (64, 4096, 64), (8, 
         impls = {f"pallas_default(b{base.kv_pages_per_block * G},w{base.num_warps},s{base.num_stages},"
                  f"x{base.kv_splits})": base}
         if sweep:
-            for keys, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3),
-                                (128, 8, 3), (128, 8, 4), (256, 8, 3)):
-                if keys % G == 0:
+            for keys, w, st in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
+                                (128, 4, 3), (256, 8, 2)):
+                if keys % G == 0 and (keys, w, st) != (base.kv_pages_per_block * G, base.num_warps,
+                                                        base.num_stages):
                     impls[f"pallas_b{keys}_w{w}_s{st}"] = dataclasses.replace(
                         base, kv_pages_per_block=keys // G, num_warps=w, num_stages=st)
             for x in (1, 2, 4, 8, 16, 32):

@@ -15,6 +15,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
+# The oracle computes in true f32 everywhere: XLA's default f32 dot on GPU is TF32 (~1e-3 relative
+# error), which would make the reference the least accurate side of every comparison.
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
 def _token_seq_ids(cu_q_lens, num_seqs, T):
     """i32[T] sequence id of each token, and bool[T] whether it is a real (non-padding) token."""
     t = jnp.arange(T, dtype=jnp.int32)
@@ -79,14 +84,14 @@ def ref_ragged_paged_attention(
         mask = in_seq[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_len)
         if sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-        logits = jnp.einsum("tkgh,lkh->tkgl", qg, kv[:, :, 0]) * sm_scale
+        logits = jnp.einsum("tkgh,lkh->tkgl", qg, kv[:, :, 0], precision=_HIGHEST) * sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
         m = jnp.max(logits, axis=-1, keepdims=True)
         p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("tkgl,lkh->tkgh", p, kv[:, :, 1]) / jnp.where(denom > 0, denom, 1.0)
+        o = jnp.einsum("tkgl,lkh->tkgh", p, kv[:, :, 1], precision=_HIGHEST) / jnp.where(denom > 0, denom, 1.0)
         return jnp.where(in_seq[:, None, None, None], o, out)
 
     out = jax.lax.fori_loop(0, S, one_seq, jnp.zeros((T, K, N // K, H), jnp.float32))
