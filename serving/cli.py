@@ -1,4 +1,4 @@
-"""`xlaserve` command line: generate, convert (and serve once the servers land)."""
+"""`xlaserve` command line: generate, convert, serve."""
 
 from __future__ import annotations
 
@@ -67,7 +67,83 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF safetensors dir, .gguf, llama2.c .bin, or preset name")
     c.add_argument("dst", help="output directory (must not exist or be empty)")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    _add_serve_parser(sub)
     return parser
+
+
+# `xlaserve serve` flags: (flag, config-file section, key, argparse keywords). Every flag has a key in
+# the YAML file (serving/config.py); flags left out do not override the file.
+_SERVE_FLAGS = [
+    ("--model", "top", "model", dict(help="checkpoint path or preset; default: the embedded SmolLM2-135M-Instruct")),
+    ("--tokenizer", "top", "tokenizer", dict(help="tokenizer path; default: the model's own")),
+    ("--host", "server", "host", dict(help="address to bind (default 127.0.0.1)")),
+    ("--port", "server", "port", dict(type=int, help="HTTP port (default 8000; 0: any free port)")),
+    ("--grpc-port", "server", "grpc_port", dict(type=int, help="gRPC port (default 50051; 0: any free port)")),
+    ("--served-model-name", "server", "served_model_name", dict(help="the model name clients send")),
+    ("--chat-template", "server", "chat_template", dict(help="jinja chat template file replacing the model's")),
+    ("--api-key", "server", "api_keys", dict(action="append", help="require this API key (repeatable)")),
+    ("--tls-certfile", "server", "tls_certfile", dict(help="PEM certificate: HTTPS and gRPC TLS")),
+    ("--tls-keyfile", "server", "tls_keyfile", dict(help="PEM private key of --tls-certfile")),
+    ("--tls-ca-certfile", "server", "tls_ca_certfile", dict(help="require client certificates from this CA (mTLS)")),
+    ("--max-waiting-requests", "server", "max_waiting_requests", dict(type=int)),
+    ("--max-waiting-tokens", "server", "max_waiting_tokens", dict(type=int)),
+    ("--max-body-bytes", "server", "max_body_bytes", dict(type=int)),
+    ("--max-n", "server", "max_n", dict(type=int)),
+    ("--max-stop", "server", "max_stop", dict(type=int)),
+    ("--drain-timeout", "server", "drain_timeout_s", dict(type=float, help="seconds in-flight requests get on SIGTERM")),
+    ("--status-interval", "server", "status_interval_s", dict(type=float, help="status log period; 0: off")),
+    ("--log-level", "server", "log_level", dict(choices=["debug", "info", "warning", "error"])),
+    ("--dtype", "engine", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    ("--tensor", "engine", "mesh.tensor", dict(type=int, help="tensor-parallel degree")),
+    ("--max-num-seqs", "engine", "max_num_seqs", dict(type=int)),
+    ("--max-num-batched-tokens", "engine", "max_num_batched_tokens", dict(type=int)),
+    ("--max-model-len", "engine", "max_model_len", dict(type=int)),
+    ("--page-size", "engine", "page_size", dict(type=int)),
+    ("--num-pages", "engine", "num_pages", dict(type=int)),
+    ("--max-logprobs", "engine", "max_logprobs", dict(type=int)),
+    ("--kv-memory-fraction", "engine", "kv_memory_fraction", dict(type=float)),
+    ("--seed", "engine", "seed", dict(type=int)),
+    ("--no-prefix-caching", "engine", "enable_prefix_caching", dict(action="store_const", const=False)),
+]
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI API) and gRPC",
+                       description="Serve one model over HTTP (OpenAI-compatible) and gRPC. Every flag can also "
+                                   "be set in the --config YAML file; flags win over the file.")
+    s.add_argument("--config", help="YAML settings file (keys: model, tokenizer, server, engine)")
+    for flag, _, key, kw in _SERVE_FLAGS:
+        s.add_argument(flag, dest=key.replace(".", "__"), default=None, **kw)
+
+
+def _serve_settings(args):
+    from serving.config import build_settings, load_yaml
+
+    data = load_yaml(args.config) if args.config else {}
+    over: dict[str, dict] = {"top": {}, "server": {}, "engine": {}}
+    for _, section, key, _ in _SERVE_FLAGS:
+        v = getattr(args, key.replace(".", "__"))
+        if v is None:
+            continue
+        if key == "mesh.tensor":
+            mesh = dict((data.get("engine") or {}).get("mesh") or {})
+            mesh["tensor"] = v
+            over["engine"]["mesh"] = mesh
+        else:
+            over[section][key] = tuple(v) if key == "api_keys" else v
+    return build_settings(data, over)
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    from serving.server import serve
+
+    settings = _serve_settings(args)
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = settings.model or str(default_model_path())
+    return asyncio.run(serve(settings, model))
 
 
 def _load(args):
@@ -129,7 +205,7 @@ def cmd_convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "convert": cmd_convert}
+    handlers = {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}
     try:
         return handlers[args.command](args)
     except (FileNotFoundError, FileExistsError, ValueError) as e:  # user errors: one clear line, no traceback

@@ -1,0 +1,451 @@
+"""The serving core both adapters (HTTP, gRPC) call: request preparation off the event loop,
+limits, the bounded waiting queue, the engine stream of each request, metrics, health and drain.
+
+Each accepted request's engine stream is consumed by a pump task that the core owns, not by the
+client's handler. When a client goes away (HTTP disconnect, gRPC cancel, deadline) the handler
+stops reading and the core cancels the engine request; the pump keeps reading until the engine
+confirms the end (an "abort" output, after the pages are released), so `in_flight` counts a
+request until the engine is done with it. Drain and the tests wait on that count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from runtime.request import FINISH_ABORT, FINISH_LENGTH, SamplingParams
+from serving.admission import AdmissionQueue, Ticket
+from serving.config import ServerConfig
+from serving.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
+from serving.metrics import ServingMetrics
+
+logger = logging.getLogger("xlaserve.serving")
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class State(enum.Enum):
+    STARTING = "starting"  # loading the model and compiling: nothing is served but health
+    READY = "ready"
+    DRAINING = "draining"  # SIGTERM: in-flight requests finish, new ones are refused
+    STOPPED = "stopped"
+
+
+@dataclass
+class GenerationSpec:
+    """A request as the adapters hand it over; exactly one of text, token_ids, messages is set."""
+
+    params: SamplingParams
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    add_special_tokens: bool = True  # for text: BOS etc. as the tokenizer adds them
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout_s: float | None = None  # the client's deadline, from now
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    source: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    has_tokenizer: bool
+    has_chat_template: bool
+    dtype: str
+    max_num_seqs: int
+    page_size: int
+    num_pages: int
+    max_logprobs: int
+    max_n: int
+    max_stop: int
+    created: int
+
+
+@dataclass(eq=False)
+class _Live:
+    request_id: str
+    ticket: Ticket
+    arrival: float
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    generated: int = 0
+    max_seq_tokens: int = 0
+
+
+_END = object()
+
+
+class ServingCore:
+    def __init__(self, config: ServerConfig, model_name: str = "") -> None:
+        self.config = config
+        self.model_name = model_name
+        self.state = State.STARTING
+        self.engine = None  # runtime.async_engine.AsyncEngine, once attached
+        self.tokenizer = None
+        self.model_info: ModelInfo | None = None
+        self.metrics = ServingMetrics(model_name, self._engine_stats)
+        self.admission = AdmissionQueue(config.max_waiting_requests, config.max_waiting_tokens,
+                                        retry_after_s=config.retry_after_s)
+        self._chat_template = None  # compiled override template
+        self._live: dict[str, _Live] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._busy_since = time.monotonic()
+        self._last_steps = -1
+        self._last_step_change = time.monotonic()
+        self._state_listeners: list = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def attach(self, engine, *, tokenizer=None, source: str = "", chat_template: str | None = None) -> None:
+        """Serve `engine` (an AsyncEngine over a warmed-up Engine); health turns SERVING."""
+        eng = engine.engine
+        cfg, mcfg = eng.config, eng.model.config
+        self.engine, self.tokenizer = engine, tokenizer
+        if chat_template is not None:
+            from runtime.tokenizer import _chat_environment  # the sandboxed environment HF templates need
+
+            self._chat_template = _chat_environment().from_string(chat_template)
+        self.model_info = ModelInfo(
+            name=self.model_name, source=source or str(getattr(eng.model, "source", "")),
+            architecture=mcfg.architecture, vocab_size=mcfg.vocab_size, max_model_len=cfg.max_model_len,
+            eos_token_ids=tuple(eng.eos_ids), has_tokenizer=tokenizer is not None,
+            has_chat_template=chat_template is not None or (tokenizer is not None and tokenizer.chat_template is not None),
+            dtype=str(eng.model.dtype.__name__ if hasattr(eng.model.dtype, "__name__") else eng.model.dtype),
+            max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size, num_pages=cfg.num_pages,
+            max_logprobs=cfg.max_logprobs, max_n=self.config.max_n, max_stop=self.config.max_stop,
+            created=int(time.time()),
+        )
+        self._set_state(State.READY)
+
+    def on_state_change(self, fn) -> None:
+        """fn(state) is called on every state change (the gRPC health service listens)."""
+        self._state_listeners.append(fn)
+        fn(self.state)
+
+    def _set_state(self, state: State) -> None:
+        self.state = state
+        for fn in self._state_listeners:
+            fn(state)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight (every engine stream has ended)."""
+        await self._idle.wait()
+
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Stop accepting, let in-flight requests finish for up to timeout_s, then abort the rest.
+        Returns how many were aborted."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        if self.state is State.READY or self.state is State.STARTING:
+            self._set_state(State.DRAINING)
+        logger.info("draining: %d requests in flight, up to %.1f s", self.in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return 0
+        except TimeoutError:
+            pass
+        aborted = list(self._live)
+        logger.warning("drain timeout: aborting %d requests", len(aborted))
+        for rid in aborted:
+            self.engine.cancel(rid)
+        # Aborts take effect before the engine's next step; a dead engine ends every stream itself.
+        await self._idle.wait()
+        return len(aborted)
+
+    def stop(self) -> None:
+        self._set_state(State.STOPPED)
+
+    # -- health ---------------------------------------------------------------------------------
+    def _engine_stats(self):
+        return self.engine.stats() if self.engine is not None else None
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason). Unhealthy while starting or draining, when the engine loop died, and
+        when it has work but has not finished a step for health_stall_s."""
+        if self.state is State.STARTING:
+            return False, "warming up"
+        if self.state is not State.READY:
+            return False, self.state.value
+        h = self.engine.health()
+        if not h.healthy:
+            return False, f"engine loop is not running ({h.error or 'stopped'})"
+        now = time.monotonic()
+        steps = self.engine.stats().num_steps
+        if steps != self._last_steps:
+            self._last_steps, self._last_step_change = steps, now
+        busy = self._live or h.num_unfinished
+        if busy:
+            stalled = now - max(self._last_step_change, self._busy_since)
+            if stalled > self.config.health_stall_s:
+                return False, (f"engine made no step for {stalled:.1f} s with {max(len(self._live), h.num_unfinished)} "
+                               f"requests in flight; health_stall_s is {self.config.health_stall_s}")
+        return True, "ok"
+
+    def _check_accepting(self) -> None:
+        if self.state is State.STARTING:
+            raise Unavailable("the server is warming up; retry shortly", code="warming_up", retry_after=1)
+        if self.state is not State.READY:
+            raise Unavailable("the server is shutting down", code="draining")
+        h = self.engine.health()
+        if not h.healthy:
+            raise Unavailable(f"the engine loop is not running ({h.error or 'stopped'})", code="engine_dead")
+
+    # -- preparation ----------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequest("this model has no tokenizer, so chat is not available; send token ids",
+                                 param="messages")
+        msgs = _check_messages(messages)
+        if self._chat_template is not None:
+            ctx = {f"{n}_token": tok.id_to_piece(i)
+                   for n, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("unk", tok.unk_id), ("pad", tok.pad_id))
+                   if i is not None}
+            return self._chat_template.render(messages=msgs, add_generation_prompt=True, tools=None,
+                                              documents=None, **ctx)
+        if tok.chat_template is None:
+            raise InvalidRequest(f"model {self.model_name!r} has no chat template; use /v1/completions or start "
+                                 "the server with --chat-template", param="messages")
+        try:
+            return tok.apply_chat_template(msgs, add_generation_prompt=True)
+        except Exception as e:  # template errors (raise_exception in the template) are the request's fault
+            raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def _prompt_ids(self, spec: GenerationSpec) -> list[int]:
+        """Token ids of the prompt (runs in a worker thread: tokenizing is CPU work)."""
+        if spec.token_ids is not None:
+            ids = list(spec.token_ids)
+            if not ids:
+                raise InvalidRequest("prompt has 0 tokens; at least 1 is needed", param="prompt")
+            V = self.model_info.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                    raise InvalidRequest(f"prompt token id {t!r} is out of range; the vocabulary has {V} ids",
+                                         param="prompt")
+            return ids
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer; send the prompt as token ids", param="prompt")
+        if spec.messages is not None:
+            text = self.render_chat(spec.messages)
+            add_special = False  # the template writes BOS itself
+        else:
+            text, add_special = spec.text, spec.add_special_tokens
+        if len(text) > self.config.max_prompt_chars:
+            raise InvalidRequest(f"prompt has {len(text)} characters; max_prompt_chars is "
+                                 f"{self.config.max_prompt_chars}", param="prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special)
+        if not ids:
+            raise InvalidRequest("prompt has 0 tokens; at least 1 is needed", param="prompt")
+        return ids
+
+    def check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The server's limits, each error naming the value and the limit (the engine checks the rest)."""
+        info, cfg = self.model_info, self.config
+        L = info.max_model_len
+        if params.n > cfg.max_n:
+            raise InvalidRequest(f"n is {params.n}; max_n is {cfg.max_n}", param="n")
+        nstop = len(params.stop) + len(params.stop_token_ids)
+        if nstop > cfg.max_stop:
+            raise InvalidRequest(f"{nstop} stop strings and stop token ids given; max_stop is {cfg.max_stop}",
+                                 param="stop")
+        if params.logprobs is not None and params.logprobs > info.max_logprobs:
+            raise InvalidRequest(f"logprobs is {params.logprobs}; max_logprobs is {info.max_logprobs}",
+                                 param="logprobs")
+        if num_prompt_tokens >= L:
+            raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is {L} (room is needed "
+                                 f"for at least one generated token)", param="prompt", code="context_length_exceeded")
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > L:
+            raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens + max_tokens {params.max_tokens} = "
+                                 f"{num_prompt_tokens + params.max_tokens} tokens; max_model_len is {L}",
+                                 param="max_tokens", code="context_length_exceeded")
+        V = info.vocab_size
+        for t in params.stop_token_ids:
+            if t >= V:
+                raise InvalidRequest(f"stop token id {t} is out of range; the vocabulary has {V} ids",
+                                     param="stop_token_ids")
+
+    async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True) -> list[int]:
+        self._check_ready_for_info()
+        spec = GenerationSpec(params=SamplingParams(), text=text, messages=messages,
+                              add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self._prompt_ids, spec)
+
+    def _check_ready_for_info(self) -> None:
+        if self.model_info is None:
+            raise Unavailable("the server is warming up; retry shortly", code="warming_up", retry_after=1)
+
+    # -- generation -----------------------------------------------------------------------------
+    async def submit(self, spec: GenerationSpec) -> RequestStream:
+        """Validate, admit and submit `spec`, or raise the ServingError that refuses it. The
+        returned stream yields the engine's RequestOutput snapshots (the last has finished=True);
+        the caller must close() it when it stops reading early (that cancels the request)."""
+        try:
+            self._check_accepting()
+            ids = await asyncio.to_thread(self._prompt_ids, spec)
+            self.check_limits(len(ids), spec.params)
+            self._check_accepting()  # the state may have changed while tokenizing
+            ticket = self.admission.admit(len(ids))
+        except ServingError as e:
+            self.metrics.request_failed(_failure_reason(e))
+            raise
+        from runtime.async_engine import EngineDeadError, GenerationRequest
+
+        rid = spec.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            stream = self.engine.submit(GenerationRequest(
+                prompt_token_ids=ids, sampling_params=spec.params, request_id=rid, priority=spec.priority,
+                cache_salt=spec.cache_salt))
+        except ValueError as e:
+            ticket.release()
+            self.metrics.request_failed("invalid")
+            raise InvalidRequest(str(e)) from None
+        except EngineDeadError as e:
+            ticket.release()
+            self.metrics.request_failed("unavailable")
+            raise Unavailable(str(e), code="engine_dead") from None
+        live = _Live(rid, ticket, spec.arrival, len(ids))
+        if not self._live:
+            self._busy_since = time.monotonic()
+            self._idle.clear()
+        self._live[rid] = live
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.req_prompt_tokens.observe(len(ids))
+        live.task = asyncio.create_task(self._pump(live, stream), name=f"pump-{rid}")
+        return RequestStream(self, live, ids, spec.timeout_s)
+
+    async def _pump(self, live: _Live, stream) -> None:
+        m = self.metrics
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                new = sum(len(o.new_token_ids) for o in out.outputs)
+                if new:
+                    if live.first_token_at is None:
+                        live.first_token_at = now
+                        m.ttft.observe(now - live.arrival)
+                    else:
+                        m.itl.observe(now - live.last_token_at)
+                    live.last_token_at = now
+                    live.generated += new
+                    m.generation_tokens.inc(new)
+                    live.max_seq_tokens = max(live.max_seq_tokens, *(len(o.token_ids) for o in out.outputs))
+                live.ticket.release()  # any output means the request left the waiting queue
+                if out.finished:
+                    m.e2e.observe(now - live.arrival)
+                    m.req_generation_tokens.observe(live.generated)
+                    if live.first_token_at is not None and live.max_seq_tokens > 1:
+                        m.tpot.observe((now - live.first_token_at) / (live.max_seq_tokens - 1))
+                    m.request_finished(_request_finish_reason(out))
+                live.queue.put_nowait(out)
+            live.queue.put_nowait(_END)
+        except Exception as e:  # noqa: BLE001 - the engine died (EngineDeadError) or a bug; tell the client
+            logger.error("request %s: engine stream failed: %r", live.request_id, e)
+            live.queue.put_nowait(e)
+        finally:
+            live.ticket.release()
+            self._live.pop(live.request_id, None)
+            if not self._live:
+                self._idle.set()
+
+
+class RequestStream:
+    """One accepted request's outputs: `async for out in stream`, then (always) `stream.close()`."""
+
+    def __init__(self, core: ServingCore, live: _Live, prompt_token_ids: list[int], timeout_s: float | None) -> None:
+        self._core, self._live = core, live
+        self.request_id = live.request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._complete = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self):
+        if self._complete:
+            raise StopAsyncIteration
+        q = self._live.queue
+        if self._deadline is None:
+            item = await q.get()
+        else:
+            try:
+                item = await asyncio.wait_for(q.get(), max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                self.close()
+                self._core.metrics.request_failed("deadline")
+                raise DeadlineExceeded(f"the request's deadline of {self._timeout_s:.3f} s passed") from None
+        if item is _END:
+            self._complete = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._complete = True
+            self._core.metrics.request_failed("unavailable")
+            raise Unavailable(f"the engine stopped: {item}", code="engine_dead")
+        return item
+
+    def close(self) -> None:
+        """Cancel the request unless its stream has ended; idempotent."""
+        if not self._complete:
+            self._complete = True
+            self._core.engine.cancel(self.request_id)
+
+
+def _request_finish_reason(out) -> str:
+    reasons = [o.finish_reason for o in out.outputs]
+    if FINISH_ABORT in reasons:
+        return FINISH_ABORT
+    if FINISH_LENGTH in reasons:
+        return FINISH_LENGTH
+    return reasons[0] if reasons else FINISH_ABORT
+
+
+def _failure_reason(e: ServingError) -> str:
+    return {400: "invalid", 413: "invalid", 429: "rejected", 503: "unavailable", 504: "deadline"}.get(e.status, "error")
+
+
+def _check_messages(messages) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidRequest(f"messages[{i}] must be an object with role and content", param="messages")
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role is {role!r}; expected one of {', '.join(_CHAT_ROLES)}",
+                                 param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts are supported
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise InvalidRequest(f"messages[{i}].content[{j}] has type {kind!r}; only text parts are "
+                                         "supported", param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
+                                 param="messages")
+        out.append({**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": content})
+    return out

@@ -1,0 +1,327 @@
+"""OpenAI-compatible HTTP server (a Starlette ASGI app over the serving core).
+
+    GET  /health                 200 {"status": "ok"} | 503 {"status": "<why>"}   (no API key needed)
+    GET  /metrics                Prometheus text
+    GET  /v1/models, /v1/models/{model}
+    POST /v1/completions         prompt: a string or token ids
+    POST /v1/chat/completions    messages rendered with the model's chat template
+    POST /tokenize               {"prompt": ...} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}
+
+Streaming answers are server-sent events ending with `data: [DONE]`. A client that disconnects
+(streaming or not) cancels its request, which releases its KV pages within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serving import sse
+from serving.auth import APIKeyChecker
+from serving.core import GenerationSpec, ServingCore
+from serving.errors import BodyTooLarge, InvalidRequest, NotFound, ServingError, Unauthenticated
+from serving.metrics import CONTENT_TYPE
+from serving.openai_protocol import (
+    ParsedRequest,
+    TokenText,
+    chat_logprobs,
+    check_model,
+    completion_logprobs,
+    new_rows,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+logger = logging.getLogger("xlaserve.http")
+
+
+def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None) -> Starlette:
+    api = _Api(core, api_keys or APIKeyChecker(()))
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+    ]
+    handlers = {ServingError: _serving_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers())
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    msg = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse({"error": {"message": msg, "type": kind, "param": None, "code": None}},
+                        status_code=exc.status_code)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return JSONResponse({"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
+                                   "code": None}}, status_code=500)
+
+
+class _Api:
+    def __init__(self, core: ServingCore, keys: APIKeyChecker) -> None:
+        self.core, self.keys = core, keys
+        self._text_of: TokenText | None = None
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        if not self.keys.check_authorization(request.headers.get("authorization"), request.headers.get("x-api-key")):
+            raise Unauthenticated("a valid API key is needed: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+
+    async def _json(self, request: Request) -> dict:
+        self._auth(request)
+        limit = self.core.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"request body has {declared} bytes; max_body_bytes is {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BodyTooLarge(f"request body has more than {limit} bytes; max_body_bytes is {limit}")
+        try:
+            obj = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+        return obj
+
+    def _served(self) -> str:
+        return self.core.model_name
+
+    def text_of(self) -> TokenText:
+        if self._text_of is None:
+            self._text_of = TokenText(self.core.tokenizer)
+        return self._text_of
+
+    # -- routes ---------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        ok, reason = self.core.health()
+        return JSONResponse({"status": reason}, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        self._auth(request)
+        return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _model_card(self) -> dict:
+        info = self.core.model_info
+        card = {"id": self._served(), "object": "model", "created": info.created if info else 0,
+                "owned_by": "xlaserve", "root": info.source if info else None}
+        if info is not None:
+            card["max_model_len"] = info.max_model_len
+        return card
+
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._auth(request)
+        name = request.path_params["model"]
+        if name != self._served():
+            raise NotFound(f"the model {name!r} does not exist; this server serves {self._served()!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        if "model" in body:
+            check_model(body, self._served())
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise InvalidRequest("add_special_tokens must be true or false", param="add_special_tokens")
+        if isinstance(body.get("prompt"), str):
+            ids = await self.core.tokenize(text=body["prompt"], add_special_tokens=add_special)
+        elif "messages" in body:
+            ids = await self.core.tokenize(messages=body["messages"])
+        else:
+            raise InvalidRequest("give prompt (a string) or messages", param="prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.core.model_info.max_model_len})
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._json(request)
+        return await self._generate(request, parse_completion(body, self._served()), "cmpl")
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._json(request)
+        return await self._generate(request, parse_chat(body, self._served()), "chatcmpl")
+
+    # -- generation -----------------------------------------------------------------------------
+    async def _generate(self, request: Request, req: ParsedRequest, prefix: str) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        spec = GenerationSpec(params=req.params, text=req.text, token_ids=req.token_ids, messages=req.messages,
+                              request_id=rid, priority=req.priority, cache_salt=req.cache_salt)
+        stream = await self.core.submit(spec)
+        fmt = _Formatter(req, rid, self._served(), len(stream.prompt_token_ids), self.text_of())
+        if req.stream:
+            return _SSEResponse(stream, fmt)
+        try:
+            final = await _until_disconnect(request, _last(stream))
+        finally:
+            stream.close()
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(fmt.full(final))
+
+
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run coro; if the client disconnects first, cancel it and return None. After the body is
+    read, the next ASGI receive() completes only on disconnect (or when the response is done)."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes (cancels) the request however the response ends, even if the body never started."""
+
+    def __init__(self, stream, fmt: _Formatter) -> None:
+        super().__init__(_sse_body(stream, fmt), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+async def _sse_body(stream, fmt: _Formatter):
+    try:
+        for chunk in fmt.head():
+            yield sse.event(chunk)
+        try:
+            async for out in stream:
+                for chunk in fmt.deltas(out):
+                    yield sse.event(chunk)
+        except ServingError as e:  # after the 200 header: report it in the stream, as OpenAI does
+            yield sse.event(e.envelope())
+            yield sse.DONE
+            return
+        if fmt.req.include_usage:
+            yield sse.event(fmt.usage_chunk())
+        yield sse.DONE
+    finally:
+        stream.close()
+
+
+class _Formatter:
+    """Builds OpenAI response objects (whole, or stream chunks) from engine outputs."""
+
+    def __init__(self, req: ParsedRequest, rid: str, model: str, num_prompt: int, text_of: TokenText) -> None:
+        self.req, self.rid, self.model, self.num_prompt, self.text_of = req, rid, model, num_prompt, text_of
+        self.created = int(time.time())
+        self.chat = req.kind == "chat"
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.k = req.params.logprobs or 0
+        self.want_logprobs = req.params.logprobs is not None
+        self.completion_tokens = 0
+        self.cached = 0
+        self.finished: set[int] = set()
+        self.offsets = [0] * req.params.n  # completions text_offset per choice
+
+    def _chunk(self, choices: list) -> dict:
+        c = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            c["usage"] = None
+        return c
+
+    def head(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.req.params.n)]
+
+    def deltas(self, out) -> list[dict]:
+        chunks = []
+        self.cached = out.num_cached_tokens
+        for co in out.outputs:
+            newly_done = co.finish_reason is not None and co.index not in self.finished
+            if not (co.new_token_ids or co.new_text or newly_done):
+                continue
+            self.completion_tokens += len(co.new_token_ids)
+            lp = None
+            if self.want_logprobs and co.new_token_ids:
+                rows = new_rows(co)
+                if self.chat:
+                    lp = chat_logprobs(co.new_token_ids, rows, self.k, self.text_of)
+                else:
+                    lp = completion_logprobs(co.new_token_ids, rows, self.k, self.text_of, self.offsets[co.index])
+                    self.offsets[co.index] += sum(len(t) for t in lp["tokens"])
+            if newly_done:
+                self.finished.add(co.index)
+            if self.chat:
+                delta = {"content": co.new_text} if (co.new_text or not newly_done) else {}
+                choice = {"index": co.index, "delta": delta, "logprobs": lp, "finish_reason": co.finish_reason}
+            else:
+                choice = {"index": co.index, "text": co.new_text, "logprobs": lp, "finish_reason": co.finish_reason}
+            if newly_done and co.stop_reason is not None:
+                choice["stop_reason"] = co.stop_reason
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(self.num_prompt, self.completion_tokens, self.cached)}
+
+    def full(self, out) -> dict:
+        choices = []
+        for co in out.outputs:
+            lp = None
+            if self.want_logprobs:
+                rows = co.logprobs or []
+                lp = (chat_logprobs(co.token_ids, rows, self.k, self.text_of) if self.chat
+                      else completion_logprobs(co.token_ids, rows, self.k, self.text_of))
+            if self.chat:
+                choice = {"index": co.index, "message": {"role": "assistant", "content": co.text}, "logprobs": lp,
+                          "finish_reason": co.finish_reason}
+            else:
+                choice = {"index": co.index, "text": co.text, "logprobs": lp, "finish_reason": co.finish_reason}
+            if co.stop_reason is not None:
+                choice["stop_reason"] = co.stop_reason
+            choices.append(choice)
+        n_out = sum(len(co.token_ids) for co in out.outputs)
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(self.num_prompt, n_out, out.num_cached_tokens)}

@@ -1,0 +1,275 @@
+"""OpenAI API request parsing and response building (completions and chat completions).
+
+Parsing is strict about types and ranges and names the offending parameter (`param` in the error
+envelope); parameters we cannot honour (echo, suffix, logit_bias, tools, ...) are refused with a
+400 rather than silently ignored. Beyond OpenAI's parameters, vLLM's extensions are accepted in
+the body (the openai client's `extra_body`): top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, priority, cache_salt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.request import SamplingParams
+from serving.errors import InvalidRequest, NotFound
+
+_MISSING = object()
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    chat_logprobs: bool = False  # chat: logprobs were asked for (top_logprobs may be 0)
+
+
+# -- field readers -------------------------------------------------------------------------------
+def _number(body, name, default, *, lo=None, hi=None, lo_open=False):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a number, got {v!r}", param=name)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise InvalidRequest(f"{name} is {v}; it must be {'>' if lo_open else '>='} {lo}", param=name)
+    if hi is not None and v > hi:
+        raise InvalidRequest(f"{name} is {v}; it must be <= {hi}", param=name)
+    return float(v)
+
+
+def _integer(body, name, default, *, lo=None, hi=None):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"{name} must be an integer, got {v!r}", param=name)
+    if lo is not None and v < lo:
+        raise InvalidRequest(f"{name} is {v}; it must be >= {lo}", param=name)
+    if hi is not None and v > hi:
+        raise InvalidRequest(f"{name} is {v}; it must be <= {hi}", param=name)
+    return v
+
+
+def _boolean(body, name, default):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
+def _string(body, name, default):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{name} must be a string, got {v!r}", param=name)
+    return v
+
+
+def _stop(body) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {v!r}", param="stop")
+    return v
+
+
+def _int_list(body, name) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise InvalidRequest(f"{name} must be a list of integers >= 0, got {v!r}", param=name)
+    return v
+
+
+def _refuse(body, name, allowed=(None,), why="is not supported"):
+    v = body.get(name)
+    if v not in allowed and not (isinstance(v, (list, dict)) and not v):
+        raise InvalidRequest(f"{name} {why} by this server (got {v!r})", param=name)
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model must be a non-empty string naming the served model "
+                             f"({served!r})", param="model")
+    if model != served:
+        raise NotFound(f"the model {model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def _stream_opts(body, stream: bool) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise InvalidRequest(f"stream_options must be an object, got {so!r}", param="stream_options")
+    if not stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    return _boolean(so, "include_usage", False)
+
+
+def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[SamplingParams, int, str | None]:
+    n = _integer(body, "n", 1, lo=1)
+    best_of = _integer(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest(f"best_of ({best_of}) different from n ({n}) is not supported", param="best_of")
+    _refuse(body, "logit_bias")
+    try:
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0, lo=0.0),
+            top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+            top_k=_integer(body, "top_k", 0, lo=-1),
+            min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
+            presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+            seed=_integer(body, "seed", seed_default, lo=-(2**63), hi=2**63 - 1),
+            logprobs=logprobs,
+            stop=_stop(body),
+            stop_token_ids=_int_list(body, "stop_token_ids"),
+            min_tokens=_integer(body, "min_tokens", 0, lo=0),
+            max_tokens=max_tokens,
+            ignore_eos=_boolean(body, "ignore_eos", False),
+            n=n,
+        )
+    except ValueError as e:  # SamplingParams' own cross-field checks (min_tokens <= max_tokens, ...)
+        raise InvalidRequest(str(e)) from None
+    priority = _integer(body, "priority", 0, lo=-(2**31), hi=2**31 - 1)
+    cache_salt = _string(body, "cache_salt", None)
+    return params, priority, cache_salt
+
+
+def parse_completion(body: dict, served: str) -> ParsedRequest:
+    check_model(body, served)
+    _refuse(body, "echo", allowed=(None, False))
+    _refuse(body, "suffix")
+    stream = _boolean(body, "stream", False)
+    include_usage = _stream_opts(body, stream)
+    prompt = body.get("prompt", _MISSING)
+    text = ids = None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(f"prompt is a batch of {len(prompt)} prompts; send one request per prompt",
+                             param="prompt")
+    else:
+        raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+    max_tokens = _integer(body, "max_tokens", 16, lo=1)
+    logprobs = _integer(body, "logprobs", None, lo=0)
+    params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=logprobs)
+    return ParsedRequest("completion", params, stream, include_usage, text=text, token_ids=ids, priority=priority,
+                         cache_salt=salt)
+
+
+def parse_chat(body: dict, served: str) -> ParsedRequest:
+    check_model(body, served)
+    for name in ("tools", "functions"):
+        _refuse(body, name, why="(tool calling) is not supported")
+    _refuse(body, "tool_choice", allowed=(None, "none"), why="(tool calling) is not supported")
+    _refuse(body, "audio")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise InvalidRequest(f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
+                             param="response_format")
+    stream = _boolean(body, "stream", False)
+    include_usage = _stream_opts(body, stream)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None, lo=1)
+    want = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None, lo=0)
+    if top is not None and not want:
+        raise InvalidRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
+    params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
+    return ParsedRequest("chat", params, stream, include_usage, messages=messages, priority=priority,
+                         cache_salt=salt, chat_logprobs=want)
+
+
+# -- responses -----------------------------------------------------------------------------------
+class TokenText:
+    """Token id -> its own text and bytes for logprobs (the vocabulary piece, leading space kept;
+    a piece that is not whole UTF-8, such as one byte of a multi-byte character, shows U+FFFD)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._pieces = tokenizer.piece_table.pieces if tokenizer is not None else None
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self.bytes_of(token_id).decode("utf-8", "replace") if self._pieces is not None else f"token_id:{token_id}"
+            self._cache[token_id] = s
+        return s
+
+    def bytes_of(self, token_id: int) -> bytes:
+        if self._pieces is None:
+            return self(token_id).encode()
+        return self._pieces[token_id]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _top_sorted(row: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(row.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(token_ids, rows, k: int, text_of: TokenText, offset: int = 0) -> dict:
+    """The completions API `logprobs` object for tokens with their engine rows ({id: logprob},
+    the sampled id first)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, row in zip(token_ids, rows):
+        s = text_of(t)
+        tokens.append(s)
+        lps.append(row.get(t))
+        tops.append({text_of(i): v for i, v in _top_sorted(row, k)} if k else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids, rows, k: int, text_of: TokenText) -> dict:
+    content = []
+    for t, row in zip(token_ids, rows):
+        s = text_of(t)
+        content.append({
+            "token": s, "logprob": row.get(t), "bytes": list(text_of.bytes_of(t)),
+            "top_logprobs": [{"token": text_of(i), "logprob": v, "bytes": list(text_of.bytes_of(i))}
+                             for i, v in _top_sorted(row, k)],
+        })
+    return {"content": content}
+
+
+def new_rows(co) -> list:
+    """The logprob rows of the tokens new in this CompletionOutput."""
+    if co.logprobs is None or not co.new_token_ids:
+        return []
+    n = len(co.token_ids)
+    return co.logprobs[n - len(co.new_token_ids) : n]

@@ -1,0 +1,177 @@
+"""`xlaserve serve`: the HTTP and gRPC servers on one engine, in one event loop.
+
+Start-up order: bind both ports first (health answers NOT_SERVING / 503 "warming up"), then load
+the model and compile every bucket in a worker thread (progress bars on stderr), then attach the
+engine and report SERVING. SIGTERM or SIGINT drains: health turns NOT_SERVING, new requests get
+UNAVAILABLE / 503, in-flight requests finish for up to drain_timeout_s, the rest are aborted,
+then the servers stop and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import uvicorn
+
+from serving.auth import APIKeyChecker
+from serving.config import ServerConfig, ServeSettings
+from serving.core import ServingCore
+from serving.grpc_server import GrpcServer
+from serving.http_server import build_app
+
+logger = logging.getLogger("xlaserve.serve")
+
+
+class _Uvicorn(uvicorn.Server):
+    # The serving app owns SIGTERM (it drains first); uvicorn must not install its own handlers.
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue in the kernel from now on, before uvicorn accepts them
+    sock.setblocking(False)
+    return sock
+
+
+class ServingApp:
+    """Both servers over one ServingCore. `await start()` binds; `attach(...)` serves an engine."""
+
+    def __init__(self, config: ServerConfig, model_name: str) -> None:
+        self.config = config
+        self.core = ServingCore(config, model_name)
+        keys = APIKeyChecker(config.api_keys)
+        self.grpc = GrpcServer(self.core, config, keys) if config.grpc_port is not None else None
+        self.app = build_app(self.core, keys)
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self.engine = None
+        self._status_task: asyncio.Task | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls else "http"
+
+    async def start(self) -> None:
+        cfg = self.config
+        if self.grpc is not None:
+            self.grpc_port = await self.grpc.start()
+            logger.info("gRPC listening on %s:%d%s", cfg.host, self.grpc_port, " (TLS)" if cfg.tls else "")
+        if cfg.port is not None:
+            sock = _bind(cfg.host, cfg.port)
+            self.http_port = sock.getsockname()[1]
+            ucfg = uvicorn.Config(
+                self.app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                ssl_certfile=cfg.tls_certfile, ssl_keyfile=cfg.tls_keyfile, ssl_ca_certs=cfg.tls_ca_certfile,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_ca_certfile else ssl.CERT_NONE)
+            self._http = _Uvicorn(ucfg)
+            self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="http-server")
+            logger.info("HTTP listening on %s://%s:%d", self.scheme, cfg.host, self.http_port)
+
+    def attach(self, engine, *, tokenizer=None, source: str = "") -> None:
+        """Serve `engine` (a runtime.async_engine.AsyncEngine); health turns SERVING."""
+        self.engine = engine
+        self.core.attach(engine, tokenizer=tokenizer, source=source, chat_template=self.config.read_chat_template())
+        if self.config.status_interval_s > 0:
+            self._status_task = asyncio.create_task(self._status_loop(), name="status-log")
+        logger.info("serving %r", self.core.model_name)
+
+    async def shutdown(self, *, drain_timeout_s: float | None = None, stop_engine: bool = True) -> int:
+        """Drain (see module docstring), stop both servers, stop the engine. Returns how many
+        requests were aborted when the drain timed out."""
+        aborted = 0
+        if self.engine is not None:
+            aborted = await self.core.drain(drain_timeout_s)
+        self.core.stop()
+        if self._status_task is not None:
+            self._status_task.cancel()
+        if self.grpc is not None:
+            await self.grpc.stop(grace=1.0)
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._http_task
+        if stop_engine and self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        return aborted
+
+    async def _status_loop(self) -> None:
+        last_tokens, last_t = None, time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)  # a period, not a synchronization
+            s = self.engine.stats()
+            now = time.monotonic()
+            rate = 0.0 if last_tokens is None else (s.generated_tokens - last_tokens) / (now - last_t)
+            last_tokens, last_t = s.generated_tokens, now
+            logger.info("running %d | waiting %d | KV %.1f%% | prefix hit %.1f%% | %.1f tok/s | in flight %d",
+                        s.num_running, s.num_waiting, 100 * s.kv_usage,
+                        100 * (s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens
+                               if s.prefix_cache_query_tokens else 0.0), rate, self.core.in_flight)
+
+
+def default_model_name(model: str) -> str:
+    p = Path(model)
+    if p.suffix in (".gguf", ".bin"):
+        return p.stem
+    return p.name or model
+
+
+def build_engine(settings: ServeSettings, model: str):
+    """Load the model and tokenizer and build a warmed-up AsyncEngine (blocking: run it in a
+    worker thread). Returns (async_engine, tokenizer, source)."""
+    from runtime.async_engine import AsyncEngine
+    from runtime.checkpoint import load_model
+    from runtime.engine import Engine
+    from runtime.tokenizer import load_tokenizer
+
+    config = settings.engine_config()
+    loaded = load_model(model, mesh=config.mesh.make_mesh(), dtype=config.dtype, seed=config.seed,
+                        progress=config.progress)
+    tok_path = settings.tokenizer or loaded.tokenizer_path
+    tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+    engine = Engine(loaded, config, tokenizer=tokenizer)  # compiles every bucket (progress bar)
+    return AsyncEngine(engine), tokenizer, str(loaded.source)
+
+
+async def serve(settings: ServeSettings, model: str) -> int:
+    """Run until SIGTERM/SIGINT, then drain and exit. Returns the process exit code."""
+    cfg = settings.server
+    app = ServingApp(cfg, cfg.served_model_name or default_model_name(model))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    load = asyncio.create_task(asyncio.to_thread(build_engine, settings, model), name="load")
+    await asyncio.wait({load, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # stopped while loading: nothing in flight; leave once the load is over
+        logger.info("stopping before the model finished loading")
+        await app.shutdown()
+        with contextlib.suppress(Exception):
+            (await load)[0].shutdown()
+        return 0
+    try:
+        engine, tokenizer, source = load.result()
+    except BaseException:
+        await app.shutdown()
+        raise
+    app.attach(engine, tokenizer=tokenizer, source=source)
+    logger.info("ready: HTTP port %s, gRPC port %s", app.http_port, app.grpc_port)
+    await stop.wait()
+    logger.info("signal received: draining (up to %.1f s)", cfg.drain_timeout_s)
+    aborted = await app.shutdown()
+    logger.info("stopped (%d requests aborted at the drain timeout)", aborted)
+    return 0
