@@ -163,9 +163,10 @@ class AsyncEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                for out in engine.step():
+                outputs = engine.step()
+                self._stats = engine.stats()  # before delivery: a consumer sees stats at least this fresh
+                for out in outputs:
                     self._deliver(out.request_id, out)
-                self._stats = engine.stats()
         except BaseException as e:  # noqa: BLE001 - reported to every stream and to health()
             logger.exception("engine loop died")
             self._error = e
