@@ -58,12 +58,13 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     q_per_kv = N // K
     # Decode-heavy batches have one token per sequence: a few tokens per item keeps rows >= 16.
     bq = max(1, min(16 // q_per_kv if q_per_kv < 16 else 1, T))
-    # H200 sweep (docs/kernels/ragged_paged_attention.md): 64 keys per step, 4 warps, 2 stages
-    # were best or within noise of it at 64 x 4k and 8 x 32k, pages of 16 and 64.
+    # H200 sweeps (docs/kernels/ragged_paged_attention.md): 64 keys per step, 4 warps, 2 stages and
+    # about 2 programs per SM (64 x 4k: 1 split; 8 x 32k: 8) were best or within run-to-run noise
+    # (~4%) of the best at 64 x 4k and 8 x 32k with pages of 16 and 64.
     ppb = max(1, min(P_max, 64 // G))
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
-    splits = _next_pow2(pl.cdiv(4 * _num_sms(), items * K))
+    splits = _next_pow2(pl.cdiv(2 * _num_sms(), items * K))
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, 4 * ppb * G)))
     return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_splits=splits,
                       num_warps=4, num_stages=2)
