@@ -1,0 +1,201 @@
+"""The in-jit sampler against numpy references, at fixed shapes (one compile per shape)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.sampling import SamplingBatch, empty_sampling_batch, sample, split_seed
+
+S, V, W, NB, M = 4, 64, 16, 4, 5
+
+
+@functools.cache
+def sampler(max_logprobs: int = M):
+    return jax.jit(functools.partial(sample, max_logprobs=max_logprobs))
+
+
+def batch(rows: int = S, **fields) -> SamplingBatch:
+    b = empty_sampling_batch(rows, W, NB)
+    for name, value in fields.items():
+        getattr(b, name)[...] = value
+    return b
+
+
+def run(logits, b: SamplingBatch):
+    out = sampler()(np.asarray(logits, np.float32), b)
+    return np.asarray(out.tokens), jax.tree.map(np.asarray, out.logprobs)
+
+
+def random_logits(rng, rows=S, scale=3.0):
+    return (scale * rng.standard_normal((rows, V))).astype(np.float32)
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    rng = np.random.default_rng()
+    logits = random_logits(rng)
+    tokens, lp = run(logits, batch(want_logprobs=True))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    ref = log_softmax(logits.astype(np.float64))
+    np.testing.assert_allclose(lp.sampled, ref[np.arange(S), tokens], atol=1e-5)
+    np.testing.assert_array_equal(lp.top_ids, np.argsort(-ref, axis=-1)[:, :M])
+    np.testing.assert_allclose(lp.top_logprobs, np.sort(ref, axis=-1)[:, ::-1][:, :M], atol=1e-5)
+
+
+def test_no_logprobs_requested_returns_zeros():
+    tokens, lp = run(random_logits(np.random.default_rng()), batch())
+    assert not lp.sampled.any() and not lp.top_logprobs.any() and lp.top_ids.shape == (S, M)
+
+
+def penalized_reference(logits, history, num_prompt, rep, pres, freq):
+    out = logits.astype(np.float64).copy()
+    for s in range(len(out)):
+        ids = [t for t in history[s] if t >= 0]
+        outputs = ids[num_prompt[s]:]
+        for t in set(ids):
+            out[s, t] = out[s, t] / rep[s] if out[s, t] > 0 else out[s, t] * rep[s]
+        for t in set(outputs):
+            out[s, t] -= freq[s] * outputs.count(t) + pres[s]
+    return out
+
+
+def test_penalties_match_reference():
+    rng = np.random.default_rng()
+    logits = random_logits(rng, scale=0.3)  # small spread: penalties decide the argmax
+    history = np.full((S, W), -1, np.int32)
+    num_prompt = np.zeros(S, np.int32)
+    top = np.argsort(-logits, axis=-1)
+    for s in range(S):
+        n = int(rng.integers(4, W))
+        ids = np.concatenate([top[s, :3], rng.integers(0, V, n - 3)])  # the current favourites repeat
+        history[s, :n] = ids
+        num_prompt[s] = int(rng.integers(0, n))
+    rep = np.array([1.0, 1.5, 1.0, 2.0], np.float32)
+    pres = np.array([0.0, 0.0, 1.0, 0.5], np.float32)
+    freq = np.array([0.0, 0.0, 0.5, 1.0], np.float32)
+    b = batch(history=history, num_prompt=num_prompt, repetition_penalty=rep, presence_penalty=pres,
+              frequency_penalty=freq, want_logprobs=True)
+    tokens, lp = run(logits, b)
+    ref = penalized_reference(logits, history, num_prompt, rep, pres, freq)
+    np.testing.assert_array_equal(tokens, ref.argmax(-1))
+    assert tokens[0] == logits[0].argmax()  # a row without penalties is untouched
+    # Logprobs stay those of the raw model distribution.
+    np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
+
+
+def test_banned_tokens_are_never_sampled():
+    rng = np.random.default_rng()
+    logits = random_logits(rng)
+    best = logits.argmax(-1)
+    banned = np.full((S, NB), -1, np.int32)
+    banned[:, 0] = best
+    banned[1, 1] = np.argsort(-logits[1])[1]
+    tokens, _ = run(logits, batch(banned=banned))
+    assert tokens[0] == np.argsort(-logits[0])[1]
+    assert tokens[1] == np.argsort(-logits[1])[2]
+    tokens, _ = run(logits, batch(banned=banned, temperature=5.0, seeds=[[1, 2]] * S))
+    assert not (tokens[:, None] == banned).any()
+
+
+ROWS = 256  # one call draws 256 samples (positions 0..255 of one seed)
+
+
+@functools.cache
+def big_sampler():
+    return jax.jit(functools.partial(sample, max_logprobs=0))
+
+
+def draws(logits_row, calls=8, **params):
+    """calls * ROWS samples of one distribution: same seed, distinct positions."""
+    seed = int(np.random.default_rng().integers(0, 2**63))
+    out = []
+    for c in range(calls):
+        b = empty_sampling_batch(ROWS, W, NB)
+        for name, v in params.items():
+            getattr(b, name)[...] = v
+        b.seeds[:] = split_seed(seed)
+        b.positions[:] = np.arange(c * ROWS, (c + 1) * ROWS)
+        logits = np.broadcast_to(np.asarray(logits_row, np.float32), (ROWS, V))
+        out.append(np.asarray(big_sampler()(logits, b).tokens))
+    return np.concatenate(out)
+
+
+def check_distribution(samples, probs):
+    n = len(samples)
+    counts = np.bincount(samples, minlength=V)
+    assert (counts[probs == 0] == 0).all(), "sampled a token with probability 0"
+    # Every cell within 5 standard deviations of its expectation (binomial).
+    sd = np.sqrt(n * probs * (1 - probs)) + 1e-9
+    assert (np.abs(counts - n * probs) <= 5 * sd + 1).all(), np.abs(counts - n * probs).max()
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_temperature_samples_the_softmax():
+    logits = np.random.default_rng().standard_normal(V).astype(np.float32)
+    check_distribution(draws(logits, temperature=0.7), softmax(logits.astype(np.float64) / 0.7))
+
+
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all"])
+def test_filters_sample_the_renormalized_distribution(kind):
+    logits = (2 * np.random.default_rng().standard_normal(V)).astype(np.float32)
+    T = 1.3
+    p = softmax(logits.astype(np.float64) / T)
+    order = np.argsort(-p)
+    keep = np.ones(V, bool)
+    params = dict(temperature=T)
+    if kind in ("top_k", "all"):
+        params["top_k"] = 10
+        keep[order[10:]] = False
+    if kind in ("top_p", "all"):
+        params["top_p"] = 0.6
+        q = np.where(keep, p, 0)
+        q = q / q.sum()
+        cum = np.cumsum(q[order]) - q[order]
+        keep[order[cum >= 0.6]] = False
+    if kind in ("min_p", "all"):
+        params["min_p"] = 0.1
+        q = np.where(keep, p, 0)
+        q = q / q.sum()
+        keep &= q >= 0.1 * q.max()
+    want = np.where(keep, p, 0)
+    check_distribution(draws(logits, **params), want / want.sum())
+
+
+def test_row_depends_only_on_its_seed_position_and_logits():
+    """The same (seed, position, logits) gives the same token in any slot, whatever the
+    neighbours need (penalties, filters, logprobs switch the conditional branches on)."""
+    rng = np.random.default_rng()
+    row = random_logits(rng, rows=1)[0]
+    seed = split_seed(int(rng.integers(0, 2**63)))
+    ref = None
+    for slot in range(S):
+        for neighbours in ({}, dict(top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=1.5, want_logprobs=True)):
+            logits = random_logits(rng)
+            logits[slot] = row
+            b = batch(temperature=0.9, **neighbours)
+            for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
+                getattr(b, name)[slot] = neutral
+            b.history[:, :3] = rng.integers(0, V, (S, 3))
+            b.seeds[slot] = seed
+            b.positions[slot] = 17
+            tokens, _ = run(logits, b)
+            ref = tokens[slot] if ref is None else ref
+            assert tokens[slot] == ref, (slot, neighbours)
+
+
+def test_split_seed():
+    assert split_seed(5) == (5, 0)
+    assert split_seed(2**32 + 7) == (7, 1)
+    assert split_seed(-1) == (2**32 - 1, 2**32 - 1)

@@ -1,0 +1,207 @@
+"""Packing plans into fixed-shape batches, the bucket table, EngineConfig, and the compiled step
+(paged KV, chunked prefill, logits rows) against the plain forward on a tiny random model."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.checkpoint import load_model
+from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWatcher, StepExecutor
+from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
+from runtime.kv_cache import init_kv_pages
+from runtime.request import SamplingParams
+from runtime.scheduler import ScheduledSeq, StepPlan
+from runtime.step import BatchPacker, SeqSampling, make_step_fn
+from sharding.rules import kv_cache_sharding
+from tests.testing.greedy import greedy_generate
+from tests.tolerances import MODEL_LOGITS_F32
+
+P_MAX, W, NB = 8, 64, 4
+
+
+def seq(rid, tokens, start, pages, sample=True, prefill=True):
+    return ScheduledSeq(rid, 0, tuple(tokens), start, start + len(tokens), tuple(pages), sample, prefill)
+
+
+def plan_of(*seqs):
+    n_pre = sum(s.q_len for s in seqs if s.is_prefill)
+    n_dec = sum(s.q_len for s in seqs if not s.is_prefill)
+    return StepPlan(0, tuple(seqs), n_pre, n_dec, (), ())
+
+
+def test_bucket_table_selects_smallest_and_skips_unreachable_pairs():
+    t = BucketTable((16, 64), (1, 4, 32))
+    assert t.select(1, 1) == (16, 1)
+    assert t.select(17, 2) == (64, 4)
+    assert t.select(64, 32) == (64, 32)
+    # A pair is compiled only if some step lands in it: S bucket 32 starts at 5 sequences, which
+    # need at least 5 tokens, so (4, 32) is dropped.
+    assert BucketTable((4, 64), (1, 4, 32)).pairs() == [(4, 1), (4, 4), (64, 1), (64, 4), (64, 32)]
+    with pytest.raises(ValueError, match="65 tokens and 1 sequences exceeds the bucket table"):
+        t.select(65, 1)
+
+
+def test_engine_config_defaults_and_validation():
+    assert default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert default_token_buckets(100) == (16, 32, 64, 100)
+    assert default_seq_buckets(32) == (1, 4, 16, 32)
+    c = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    assert c.token_bucket_table == (16, 32, 64) and c.seq_bucket_table == (1, 4, 8)
+    r = c.resolve(max_position_embeddings=512, num_pages=100)
+    assert (r.max_model_len, r.num_pages, r.max_pages_per_seq) == (512, 100, 32)
+    with pytest.raises(ValueError, match="max_model_len 1024 exceeds the model's max_position_embeddings 512"):
+        EngineConfig(max_model_len=1024).resolve(max_position_embeddings=512, num_pages=100)
+    with pytest.raises(ValueError, match=r"token_buckets ends at 32; it must reach max_num_batched_tokens \(64\)"):
+        EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, token_buckets=(16, 32))
+    with pytest.raises(ValueError, match="seq_buckets must be strictly increasing"):
+        EngineConfig(max_num_seqs=8, seq_buckets=(8, 4, 8))
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="num_pages 3 cannot hold one sequence of max_model_len 64"):
+        EngineConfig(num_pages=3, max_model_len=64, page_size=16)
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        EngineConfig(dtype="int8")
+
+
+def test_packer_lays_out_plan_and_padding():
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB,
+                         select_bucket=BucketTable((4, 16), (2, 4)).select)
+    greedy = SeqSampling.create(SamplingParams(temperature=0.0), 0, [1, 2], eos_ids=[2], history_len=W)
+    fancy = SeqSampling.create(
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=2,
+                       min_tokens=2, stop_token_ids=[9]),
+        2**40 + 3, [4, 5, 6], eos_ids=[2], history_len=W,
+    )
+    fancy.append(11)
+    table = {"d": greedy, "p": fancy}
+    plan = plan_of(
+        seq("d", [3], 5, [7, 2], prefill=False),
+        seq("p", [6, 11, 12], 2, [4], sample=True),
+        seq("c", [20, 21, 22, 23], 0, [5], sample=False),
+    )
+    b = packer.pack(plan, table.__getitem__)
+    assert b.tokens.shape == (16,) and b.logits_indices.shape == (4,)
+    np.testing.assert_array_equal(b.tokens[:8], [3, 6, 11, 12, 20, 21, 22, 23])
+    np.testing.assert_array_equal(b.positions[:8], [5, 2, 3, 4, 0, 1, 2, 3])
+    assert not b.tokens[8:].any() and not b.positions[8:].any()
+    m = b.attn
+    np.testing.assert_array_equal(m.kv_lens, [6, 5, 4, 0])
+    np.testing.assert_array_equal(m.cu_q_lens, [0, 1, 4, 8, 8])
+    np.testing.assert_array_equal(m.num_seqs, [3])
+    np.testing.assert_array_equal(m.page_indices[:3, :2], [[7, 2], [4, 0], [5, 0]])
+    assert m.page_indices.shape == (4, P_MAX)
+    np.testing.assert_array_equal(b.logits_indices, [0, 3, 7, 0])
+    sb = b.sampling
+    np.testing.assert_allclose(sb.temperature, [0, 0.5, 0, 0])
+    np.testing.assert_array_equal(sb.top_k, [0, 3, 0, 0])
+    np.testing.assert_allclose(sb.top_p, [1, 0.9, 1, 1], rtol=1e-6)
+    np.testing.assert_allclose(sb.repetition_penalty, [1, 1.2, 1, 1], rtol=1e-6)
+    np.testing.assert_array_equal(sb.seeds[1], [3, 2**8])
+    np.testing.assert_array_equal(sb.positions[:2], [6, 5])
+    np.testing.assert_array_equal(sb.history[1, :5], [4, 5, 6, 11, -1])
+    assert (sb.history[[0, 2, 3]] == -1).all()  # only rows with penalties carry their history
+    assert sb.num_prompt[1] == 3
+    np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])  # 1 output < min_tokens 2: EOS and stop id
+    assert (sb.banned[[0, 2, 3]] == -1).all()
+    np.testing.assert_array_equal(sb.want_logprobs, [False, True, False, False])
+    fancy.append(12)  # 2 outputs: min_tokens reached, nothing banned
+    assert (packer.pack(plan, table.__getitem__).sampling.banned == -1).all()
+
+
+def test_ignore_eos_keeps_eos_unbanned():
+    s = SeqSampling.create(SamplingParams(ignore_eos=True, min_tokens=3, stop_token_ids=[5]), 0, [1], [2], W)
+    assert s.stop_ids.tolist() == [5]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model("dummy:stories260k", dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_model):
+    m = tiny_model
+    kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh), fill=float("nan"))
+    table = BucketTable((16, 32), (2,))
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select)
+    ex = StepExecutor(make_step_fn(m.forward, max_logprobs=5), params=m.params, kv_pages=kv, mesh=m.mesh,
+                      table=table, empty_batch=packer.empty, strict=True)
+    ex.warmup(progress=False)
+    return ex, packer, kv
+
+
+def test_step_matches_plain_forward(tiny_model, executor):
+    """Chunked prefill of one prompt beside the full prefill of another, then a decode, through
+    reversed page tables over a NaN-filled pool: logprobs equal the unpaged forward's."""
+    ex, packer, kv = executor
+    m = tiny_model
+    rng = np.random.default_rng()
+    a = rng.integers(0, 512, 12).tolist()
+    b = rng.integers(0, 512, 19).tolist()
+    pages_a, pages_b = [9, 3], [15, 0, 6]
+    params = SamplingParams(temperature=0.0, logprobs=5)
+    table = {r: SeqSampling.create(params, 0, p, [], W) for r, p in (("a", a), ("b", b))}
+
+    def run(plan):
+        nonlocal kv
+        tokens, lp, kv = ex(m.params, kv, packer.pack(plan, table.__getitem__))
+        return np.asarray(tokens), np.asarray(lp.top_ids), np.asarray(lp.top_logprobs)
+
+    def ref(prompt):
+        logits = greedy_generate(m, prompt, 1, page_size=8).prompt_logits[-1].astype(np.float64)
+        lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        return np.argsort(-lp)[:5], np.sort(lp)[::-1][:5]
+
+    atol = MODEL_LOGITS_F32[0]
+    tok, ids, lps = run(plan_of(seq("a", a, 0, pages_a), seq("b", b[:10], 0, pages_b, sample=False)))
+    want_ids, want_lps = ref(a)
+    np.testing.assert_allclose(lps[0], want_lps, atol=atol)
+    np.testing.assert_array_equal(ids[0], want_ids)
+    t_a = int(tok[0])
+    tok, ids, lps = run(plan_of(seq("a", [t_a], 12, pages_a, prefill=False), seq("b", b[10:], 10, pages_b)))
+    for row, prompt in ((0, a + [t_a]), (1, b)):
+        want_ids, want_lps = ref(prompt)
+        np.testing.assert_allclose(lps[row], want_lps, atol=atol)
+        np.testing.assert_array_equal(ids[row], want_ids)
+    assert ex.compiled_buckets == [(16, 2), (32, 2)]
+
+
+def test_strict_executor_refuses_to_compile_after_warmup(executor):
+    ex, packer, kv = executor
+    with pytest.raises(CompileAfterWarmupError, match=r"\(T=64, S=2\) was not compiled at warmup"):
+        ex._executable(64, 2)
+
+
+def test_lenient_executor_compiles_and_alerts(tiny_model, executor, caplog):
+    _, packer, kv = executor
+    m = tiny_model
+    lenient = StepExecutor(make_step_fn(m.forward, max_logprobs=5), params=m.params, kv_pages=kv, mesh=m.mesh,
+                           table=BucketTable((16,), (2,)), empty_batch=packer.empty, strict=False)
+    lenient.warmup(progress=False)  # the same step function and shapes: JAX's caches make this cheap
+    with caplog.at_level(logging.ERROR, logger="runtime.compilation"):
+        lenient._executable(32, 2)
+    assert lenient.num_compiles_after_warmup == 1
+    assert "ALERT" in caplog.text and "(T=32, S=2)" in caplog.text
+
+
+def test_compile_watcher_counts_only_its_thread():
+    w = CompileWatcher()
+    w.open()
+    try:
+        with w.watch():
+            jax.jit(lambda x: x * 3 + 1)(np.arange(7))
+        assert w.count == 1
+        t = threading.Thread(target=lambda: jax.jit(lambda x: x * 5 - 2)(np.arange(7)))
+        t.start()
+        t.join()
+        assert w.count == 1
+    finally:
+        w.close()
+    with w.watch():
+        jax.jit(lambda x: x * 7)(np.arange(7))
+    assert w.count == 1  # closed: no longer listening
