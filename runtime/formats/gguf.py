@@ -130,10 +130,11 @@ class GGUFSource:
         # the embedding's row count is what the weights were trained with; the token list may be
         # shorter (padded embeddings) but never longer
         V = int(embed.shape[1])
-        tokens = self._meta("tokenizer.ggml.tokens")
-        if tokens is not None and len(tokens) > V:
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        n_tokens = len(tokens.data) if tokens is not None else 0  # counted without decoding the strings
+        if n_tokens > V:
             raise CheckpointError(
-                f"{self.path}: tokenizer has {len(tokens)} tokens but token_embd.weight has only {V} rows"
+                f"{self.path}: tokenizer has {n_tokens} tokens but token_embd.weight has only {V} rows"
             )
         H = self._meta(f"{a}.attention.key_length") or self._meta(f"{a}.rope.dimension_count") or D // N
         rope_dim = self._meta(f"{a}.rope.dimension_count")

@@ -331,6 +331,15 @@ def test_missing_metadata_key(tmp_path):
         GGUFSource(tmp_path / "nometa.gguf")
 
 
+def test_token_list_longer_than_embedding(tmp_path):
+    hp, tensors = tiny_tensors()
+    pieces = [f"t{i}" for i in range(hp["vocab_size"] + 1)]
+    write_gguf(tmp_path / "vocab.gguf", "llama", hp, tensors, meta={"tokenizer.ggml.tokens": ("add_array", pieces)})
+    with pytest.raises(CheckpointError, match=rf"tokenizer has {len(pieces)} tokens but token_embd.weight has only "
+                                              rf"{hp['vocab_size']} rows"):
+        GGUFSource(tmp_path / "vocab.gguf")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_model(tmp_path / "nope.gguf", progress=False)
