@@ -1,0 +1,246 @@
+"""The OpenAI-compatible HTTP server, driven by the official `openai` client, on stories260K."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.serving.conftest import MODEL_NAME, LiveServer
+
+openai = pytest.importorskip("openai")
+
+# llama2.c's own greedy golden output for stories260K (see ../shared/data/README.md).
+GOLDEN = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
+          "she saw a big, red ball.")
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_completion_greedy_follows_the_golden_text(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+    c = r.choices[0]
+    assert GOLDEN.startswith(PROMPT + c.text) and len(c.text) > 20
+    assert c.finish_reason == "length" and c.index == 0
+    assert r.object == "text_completion" and r.model == MODEL_NAME and r.id.startswith("cmpl-")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 16, 21)
+    # Token ids as the prompt give the same text.
+    ids = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
+                     json={"prompt": PROMPT}).json()["tokens"]
+    assert len(ids) == 5 and ids[0] == 1
+    r2 = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=16, temperature=0)
+    assert r2.choices[0].text == c.text
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_completion_stream(client, include_usage):
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    kw = dict(stream_options={"include_usage": True}) if include_usage else {}
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, **kw))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    if include_usage:
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 12
+        assert chunks[-1].usage.prompt_tokens == 5
+        assert all(c.usage is None for c in chunks[:-1])
+    else:
+        assert all(c.choices and getattr(c, "usage", None) is None for c in chunks)
+
+
+def test_stream_ends_with_done(server):
+    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_bytes())
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") == 4
+
+
+def test_chat(client, server):
+    msgs = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story about a cat"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=10, temperature=0)
+    m = r.choices[0].message
+    assert m.role == "assistant" and isinstance(m.content, str) and m.content
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
+    rendered = "<s>system: You tell stories.\nuser: A story about a cat\nassistant:"
+    n_prompt = len(server.engine.tokenizer.encode(rendered, add_special_tokens=False))
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == m.content
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.prompt_tokens == n_prompt
+
+
+def test_n2_and_seeds(client):
+    def run(seed, n=2):
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.5, n=n, seed=seed)
+        assert sorted(c.index for c in r.choices) == list(range(n))
+        assert r.usage.completion_tokens == sum(16 if c.finish_reason == "length" else 0 for c in r.choices) or \
+            any(c.finish_reason == "stop" for c in r.choices)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    a = run(123)
+    assert run(123) == a  # same seed, same samples
+    assert any(run(s) != a for s in (1, 2, 3, 4))
+    # Streaming n=2 carries both indices and each finishes once.
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.5, n=2,
+                                            seed=5, stream=True))
+    finished = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)]
+    assert texts == run(5)  # same seed, same samples, streamed or not
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the chosen token is the most likely
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    stream = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                            stream=True))
+    assert [t for c in stream for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_chat_logprobs(client):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(bytes(t.bytes).decode() == t.token for t in content if t.bytes is not None)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=3, logprobs=True)
+    assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
+
+
+def test_stop_string(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, stop=[" little"])
+    assert r.choices[0].text == ", there was a" and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                            stop=" little", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ", there was a"
+
+
+@pytest.mark.parametrize("kw, exc, needle", [
+    (dict(model="gpt-4"), "NotFoundError", "'gpt-4' does not exist"),
+    (dict(temperature=-1), "BadRequestError", "temperature"),
+    (dict(max_tokens=1000), "BadRequestError", "max_model_len is 256"),
+    (dict(prompt=[5] * 300), "BadRequestError", "prompt has 300 tokens; max_model_len is 256"),
+    (dict(n=17), "BadRequestError", "n is 17; max_n is 16"),
+    (dict(logprobs=21), "BadRequestError", "logprobs is 21; max_logprobs is 20"),
+    (dict(stop=[str(i) for i in range(17)]), "BadRequestError", "max_stop is 16"),
+    (dict(prompt=[600]), "BadRequestError", "token id 600 is out of range"),
+    (dict(echo=True), "BadRequestError", "echo"),
+])
+def test_errors(client, kw, exc, needle):
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4)
+    args.update(kw)
+    with pytest.raises(getattr(openai, exc)) as e:
+        client.completions.create(**args)
+    assert needle in e.value.message
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+    assert e.value.type == ("not_found_error" if exc == "NotFoundError" else "invalid_request_error")
+
+
+def test_http_level_errors(server):
+    url = server.base_url + "/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"[1]")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (server.config.max_body_bytes + 1)})
+    r = httpx.post(url, content=big)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    r = httpx.get(server.base_url + "/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_chat_errors(client):
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="tool calling"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(server.http_url + "/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = httpx.get(server.http_url + "/metrics").text
+    label = f'model_name="{MODEL_NAME}"'
+    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "inter_token_latency_seconds_count", "prompt_tokens_total",
+                 "generation_tokens_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total"):
+        assert f"xlaserve:{name}{{{label}}}" in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("xlaserve:")}
+    assert values[f"xlaserve:time_to_first_token_seconds_count{{{label}}}"] >= 1
+    assert values[f'xlaserve:request_success_total{{finished_reason="length",{label}}}'] >= 1
+    assert values[f'xlaserve:request_failure_total{{{label},reason="invalid"}}'] >= 1
+    assert values[f"xlaserve:compiles_after_warmup_total{{{label}}}"] == 0
+
+
+def finished_count(core, reason: str) -> float:
+    v = core.metrics.registry.get_sample_value("xlaserve:request_success_total",
+                                               {"model_name": MODEL_NAME, "finished_reason": reason})
+    return v or 0.0
+
+
+def test_disconnect_cancels_the_request(server):
+    aborted = finished_count(server.core, "abort")
+    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 240, "stream": True,
+                            "ignore_eos": True}) as r:
+        it = r.iter_lines()
+        assert next(it).startswith("data: ")
+    # The stream was dropped after one chunk: the engine aborts the request (not 240 tokens later).
+    server.call(server.core.wait_idle(), timeout=30)
+    assert server.core.in_flight == 0
+    assert finished_count(server.core, "abort") == aborted + 1
+
+
+def test_non_streaming_disconnect_cancels_the_request(server):
+    aborted = finished_count(server.core, "abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", timeout=0.3,
+                   json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 250 - 5, "ignore_eos": True})
+    server.call(server.core.wait_idle(), timeout=30)
+    assert finished_count(server.core, "abort") == aborted + 1
+
+
+def test_api_keys(engine):
+    s = LiveServer(engine, api_keys=("sekrit",)).start()
+    try:
+        bad = openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        assert e.value.status_code == 401 and e.value.type == "authentication_error"
+        good = openai.OpenAI(base_url=s.base_url, api_key="sekrit", max_retries=0)
+        assert good.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices[0].text
+        assert httpx.get(s.http_url + "/health").status_code == 200  # health needs no key
+        assert httpx.get(s.http_url + "/metrics").status_code == 401
+        assert httpx.get(s.http_url + "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(s.base_url + "/models", headers={"X-API-Key": "sekrit"}).status_code == 200
+    finally:
+        s.stop()
