@@ -126,7 +126,14 @@ class _Group:
 class Engine:
     """Synchronous engine; drive it with add_request / abort / step from one thread."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] | None = None,  # default: the tokenizer's (e.g. a generation config's list)
+    ) -> None:
         config = config or EngineConfig()
         cfg = model.config
         max_len = config.max_model_len or cfg.max_position_embeddings
@@ -137,7 +144,9 @@ class Engine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.eos_ids: tuple[int, ...] = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_ids if tokenizer is not None else ()
+        self.eos_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=config.num_pages,

@@ -245,6 +245,24 @@ def test_stop_token_ids_min_tokens_max_tokens(engine, workload):
     check_idle(engine)
 
 
+def test_eos_min_tokens_and_ignore_eos(model, engine, workload):
+    _, prompt, _ = workload[5]
+    ref = run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=30)).outputs[0].token_ids
+    eos = ref[4]
+    first = ref.index(eos)
+    e = Engine(model, engine.config, eos_token_ids=[eos])  # same shapes and model: no new compile
+    try:
+        out = run_one(e, prompt, SamplingParams(temperature=0.0, max_tokens=30)).outputs[0]
+        assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+        out = run_one(e, prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)).outputs[0]
+        assert out.token_ids == ref and out.finish_reason == "length"
+        out = run_one(e, prompt, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=first + 1)).outputs[0]
+        assert eos not in out.token_ids[: first + 1] and len(out.token_ids) > first + 1
+        check_idle(e)
+    finally:
+        e.close()
+
+
 def test_rejects_requests_that_can_never_run(engine):
     with pytest.raises(ValueError, match=r"250 tokens \+ max_tokens 10 = 260 tokens; max_model_len is 256"):
         engine.add_request([5] * 250, SamplingParams(max_tokens=10))

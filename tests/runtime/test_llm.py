@@ -1,0 +1,92 @@
+"""The offline LLM API on the real stories260K with its tokenizer: prompt forms, text, EOS, stop
+strings (matched through the incremental detokenizer, held back while streaming), logprobs, n.
+EOS handling is tested in test_engine.py: this model ends stories with BOS, never with its EOS."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.llm import LLM, RequestOutput, SamplingParams
+from tests.testing.data import shared_data_dir
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    path = shared_data_dir() / "stories260k" / "stories260K.bin"
+    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,),
+              seq_buckets=(8,), max_model_len=256, strict_compile=True, progress=False)
+    yield llm
+    llm.engine.check_invariants()
+    llm.engine.close()
+
+
+def test_prompt_forms_and_text(llm):
+    tok = llm.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.prompt for o in outs] == PROMPTS
+    assert [o.prompt_token_ids for o in outs] == [tok.encode(p) for p in PROMPTS]
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason in ("stop", "length")
+        # The text continues the prompt's ("▁was" after "time" is " was"), as a streamed decode.
+        full = tok.decode(o.prompt_token_ids + c.token_ids)
+        assert c.text and c.text == full[len(tok.decode(o.prompt_token_ids)):]
+        assert c.finish_reason == "length" and len(c.token_ids) == 24 or c.token_ids[-1] in tok.eos_ids
+    single = llm.generate(PROMPTS[2], params)
+    ids = llm.generate(tok.encode(PROMPTS[2]), params)
+    many_ids = llm.generate([tok.encode(p) for p in PROMPTS[:2]], params)
+    assert single[0].outputs[0].token_ids == ids[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert ids[0].prompt is None
+    assert [o.outputs[0].token_ids for o in many_ids] == [o.outputs[0].token_ids for o in outs[:2]]
+    llm.engine.check_invariants()
+
+
+def test_stop_string_truncates_text_and_streams_held_back(llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    words = base.text.split()
+    stop = " ".join(words[3:5])  # two words from the middle, spanning tokens
+    cut = base.text.index(stop)
+    engine = llm.engine
+    rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop, "zzzz"]))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            streamed += o.outputs[0].new_text
+            assert stop not in o.outputs[0].text
+            final = o
+    c = final.outputs[0]
+    assert final.request_id == rid and c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == streamed == base.text[:cut]
+    assert c.token_ids == base.token_ids[: len(c.token_ids)] and len(c.token_ids) < len(base.token_ids)
+    assert stop in llm.tokenizer.decode(c.token_ids)  # the ids keep the token that completed it
+    engine.check_invariants()
+
+
+def test_logprobs_and_n(llm):
+    outs = llm.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=11, max_tokens=10, logprobs=3, n=2))
+    o = outs[0]
+    assert isinstance(o, RequestOutput) and [c.index for c in o.outputs] == [0, 1]
+    assert o.outputs[0].token_ids != o.outputs[1].token_ids
+    for c in o.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        for t, d in zip(c.token_ids, c.logprobs):
+            assert t in d and 3 <= len(d) <= 4 and all(v <= 0 for v in d.values())
+        assert c.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(c.token_ids, c.logprobs)))
+    plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=11, max_tokens=10))[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+    assert plain.token_ids == o.outputs[0].token_ids
+
+
+def test_per_prompt_params_and_errors(llm):
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.0, max_tokens=3),
+                                      SamplingParams(temperature=0.0, max_tokens=5)], use_tqdm=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate(PROMPTS[:2], [SamplingParams()])
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        llm.generate([PROMPTS[0], "word " * 400], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()  # the first prompt was withdrawn with the failure
+    llm.engine.check_invariants()
