@@ -1,0 +1,233 @@
+"""The gRPC server through generated stubs, on stories260K."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.protos import xlaserve_pb2 as pb
+from serving.protos import xlaserve_pb2_grpc as pb_grpc
+from tests.serving.conftest import MODEL_NAME, LiveServer
+from tests.serving.test_http_server import GOLDEN, PROMPT, finished_count
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    ch = grpc.insecure_channel(server.grpc_target)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.GenerationStub(channel)
+
+
+def collect(responses):
+    """(text per index, token ids per index, finish reason per index, last response)."""
+    text, ids, finish, last = {}, {}, {}, None
+    for r in responses:
+        last = r
+        for d in r.outputs:
+            text[d.index] = text.get(d.index, "") + d.text
+            ids.setdefault(d.index, []).extend(d.token_ids)
+            if d.finish_reason:
+                assert d.index not in finish, "a sequence finished twice"
+                finish[d.index] = d.finish_reason
+    return text, ids, finish, last
+
+
+def test_generate_greedy(stub):
+    sp = pb.SamplingParams(temperature=0, max_tokens=16)
+    responses = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30))
+    text, ids, finish, last = collect(responses)
+    assert GOLDEN.startswith(PROMPT + text[0]) and len(ids[0]) == 16
+    assert finish == {0: pb.FINISH_REASON_LENGTH}
+    assert list(responses[0].prompt_token_ids)[:1] == [1] and len(responses[0].prompt_token_ids) == 5
+    assert last.finished and not any(r.finished for r in responses[:-1])
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 16)
+    # The same prompt as token ids gives the same tokens.
+    _, ids2, _, _ = collect(stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=list(responses[0].prompt_token_ids)), sampling=sp), timeout=30))
+    assert ids2 == ids
+
+
+def test_generate_chat_n2_logprobs_seed(stub):
+    req = pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Tell me a story")]),
+        sampling=pb.SamplingParams(temperature=1.2, max_tokens=8, n=2, seed=11, logprobs=2), request_id="my-id")
+    a = list(stub.Generate(req, timeout=30))
+    assert all(r.request_id == "my-id" for r in a)
+    text, ids, finish, last = collect(a)
+    assert set(ids) == {0, 1} and all(len(v) == 8 for v in ids.values())
+    for r in a:
+        for d in r.outputs:
+            assert len(d.logprobs) == len(d.token_ids)
+            for t, lp in zip(d.token_ids, d.logprobs):
+                assert lp.token_id == t and lp.logprob <= 0 and len(lp.top) == 2
+                assert lp.top[0].logprob >= lp.top[1].logprob
+    assert last.usage.completion_tokens == 16
+    assert collect(stub.Generate(req, timeout=30))[1] == ids  # seeded: the same samples again
+
+
+def test_generate_stop_string(stub):
+    sp = pb.SamplingParams(temperature=0, max_tokens=30, stop=[" little"])
+    responses = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30))
+    text, _, finish, _ = collect(responses)
+    assert text[0] == ", there was a" and finish[0] == pb.FINISH_REASON_STOP
+    last_delta = [d for r in responses for d in r.outputs][-1]
+    assert last_delta.WhichOneof("stop_reason") == "stop_string" and last_delta.stop_string == " little"
+
+
+@pytest.mark.parametrize("sampling, prompt, needle", [
+    (pb.SamplingParams(top_p=2.0), PROMPT, "top_p must be in (0, 1]"),
+    (pb.SamplingParams(max_tokens=1000), PROMPT, "max_model_len is 256"),
+    (pb.SamplingParams(n=40), PROMPT, "n is 40; max_n is 16"),
+    (pb.SamplingParams(logprobs=30), PROMPT, "logprobs is 30; max_logprobs is 20"),
+    (pb.SamplingParams(stop_token_ids=[-3]), PROMPT, "stop_token_ids must be ints >= 0"),
+    (pb.SamplingParams(), None, "set one of text, token_ids or chat"),
+])
+def test_generate_invalid_argument(stub, sampling, prompt, needle):
+    req = pb.GenerateRequest(sampling=sampling)
+    if prompt is not None:
+        req.text = prompt
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
+
+
+def test_deadline_and_cancel_abort_the_request(stub, server):
+    core = server.core
+    aborted = finished_count(core, "abort")
+    sp = pb.SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+    server.call(core.wait_idle(), timeout=30)
+    assert finished_count(core, "abort") == aborted + 1
+    call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30)
+    next(call)
+    call.cancel()
+    server.call(core.wait_idle(), timeout=30)
+    assert finished_count(core, "abort") == aborted + 2 and core.in_flight == 0
+
+
+def test_tokenize_and_model_info(stub, server):
+    r = stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=True))
+    assert list(r.token_ids) == server.engine.tokenizer.encode(PROMPT) and len(r.tokens) == len(r.token_ids)
+    assert r.max_model_len == 256
+    r = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")])))
+    rendered = "<s>user: x\nassistant:"  # the test template; BOS as text, so no BOS is added again
+    assert list(r.token_ids) == server.engine.tokenizer.encode(rendered, add_special_tokens=False)
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    assert (info.model, info.vocab_size, info.max_model_len, info.max_num_seqs) == (MODEL_NAME, 512, 256, 16)
+    assert list(info.eos_token_ids) == [2] and info.has_tokenizer and info.has_chat_template
+
+
+def test_health_and_reflection(channel):
+    h = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "xlaserve.v1.Generation", "jetstream_proto.Orchestrator"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        h.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"xlaserve.v1.Generation", "xlaserve.v1.Orchestrator", "grpc.health.v1.Health"} <= names
+
+
+# JetStream's own messages (jetstream/core/proto/jetstream.proto, package jetstream_proto), compiled here
+# so that the test talks to the server exactly as a JetStream client does.
+JETSTREAM_PROTO = """
+syntax = "proto3";
+package jetstream_proto;
+service Orchestrator {
+  rpc Decode(DecodeRequest) returns (stream DecodeResponse) {}
+  rpc HealthCheck(HealthCheckRequest) returns (HealthCheckResponse) {}
+}
+message DecodeRequest {
+  int32 max_tokens = 4;
+  message TextContent { string text = 1; }
+  message TokenContent { repeated int32 token_ids = 1; }
+  oneof content { TextContent text_content = 5; TokenContent token_content = 6; }
+  message Metadata { float start_time = 1; }
+  oneof metadata_optional { Metadata metadata = 7; }
+  int32 num_samples = 8;
+  reserved 1, 2, 3;
+}
+message DecodeResponse {
+  message InitialContent {}
+  message StreamContent {
+    message Sample { string text = 1; repeated int32 token_ids = 2; }
+    repeated Sample samples = 1;
+  }
+  oneof content { InitialContent initial_content = 2; StreamContent stream_content = 3; }
+  reserved 1;
+}
+message HealthCheckRequest {}
+message HealthCheckResponse { bool is_live = 1; }
+"""
+
+
+@pytest.fixture(scope="module")
+def jetstream(tmp_path_factory):
+    protoc = pytest.importorskip("grpc_tools.protoc", reason="grpcio-tools (dev extra) compiles JetStream's proto")
+    d = tmp_path_factory.mktemp("jetstream")
+    (d / "jetstream.proto").write_text(JETSTREAM_PROTO)
+    assert protoc.main(["protoc", f"-I{d}", f"--python_out={d}", f"--grpc_python_out={d}", str(d / "jetstream.proto")]) == 0
+    sys.path.insert(0, str(d))
+    try:
+        return importlib.import_module("jetstream_pb2"), importlib.import_module("jetstream_pb2_grpc")
+    finally:
+        sys.path.remove(str(d))
+
+
+def test_jetstream_client_works_unchanged(channel, jetstream):
+    js, js_grpc = jetstream
+    orch = js_grpc.OrchestratorStub(channel)
+    assert orch.HealthCheck(js.HealthCheckRequest()).is_live
+    req = js.DecodeRequest(max_tokens=6, text_content=js.DecodeRequest.TextContent(text=PROMPT),
+                           metadata=js.DecodeRequest.Metadata(start_time=1.0))
+    responses = list(orch.Decode(req, timeout=30))
+    assert all(r.WhichOneof("content") == "stream_content" and len(r.stream_content.samples) == 1 for r in responses)
+    text = "".join(r.stream_content.samples[0].text for r in responses)
+    ids = [t for r in responses for t in r.stream_content.samples[0].token_ids]
+    assert len(ids) == 6 and GOLDEN.startswith(PROMPT + text)  # greedy, as JetStream decodes
+    # Token content and several samples.
+    req = js.DecodeRequest(max_tokens=3, token_content=js.DecodeRequest.TokenContent(token_ids=[1, 403, 407]),
+                           num_samples=2)
+    responses = list(orch.Decode(req, timeout=30))
+    assert all(len(r.stream_content.samples) == 2 for r in responses)
+    with pytest.raises(grpc.RpcError) as e:
+        list(orch.Decode(js.DecodeRequest(max_tokens=3), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_api_keys_and_health_exemption(engine):
+    s = LiveServer(engine, api_keys=("sekrit",)).start()
+    try:
+        with grpc.insecure_channel(s.grpc_target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            req = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfo(pb.ModelInfoRequest(), metadata=[("authorization", "Bearer wrong")])
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = list(stub.Generate(req, timeout=30, metadata=[("authorization", "Bearer sekrit")]))
+            assert out[-1].finished
+            h = health_pb2_grpc.HealthStub(ch)
+            assert h.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            assert pb_grpc.OrchestratorStub(ch).HealthCheck(pb.HealthCheckRequest()).is_live
+    finally:
+        s.stop()
