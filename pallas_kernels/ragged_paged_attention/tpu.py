@@ -22,7 +22,7 @@ ref reshape/bitcast transforms, so under it the de-interleave reads the block as
 the DMA, semaphore and page-table logic it checks is the same code.
 
 VMEM at the defaults (bf16, H=128, 8 KV heads per block, 512 keys per block, 32 tokens x 4 q heads
-per KV head): KV double buffer 4 MiB, q/out blocks 1 MiB, acc/m/l 1 MiB: inside v5e's 16 MiB and
+per KV head): KV double buffer 4 MiB, q/out blocks 1 MiB, acc/m/l 1.5 MiB: inside v5e's 16 MiB and
 v6e's 32 MiB scoped defaults; `vmem_limit_bytes` is still set from the estimate.
 """
 
