@@ -28,7 +28,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     pure-jnp reference elsewhere, by the platform of q), "tpu", "gpu" or "reference"."""
     if implementation == "auto":
         implementation = _RPA_BY_PLATFORM.get(_platform(q), "reference")
-    if implementation == "reference":  # also takes q and kv_pages of different dtypes
+    if implementation == "reference":
         return _rpa.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                sm_scale=sm_scale, sliding_window=sliding_window,
                                                soft_cap=soft_cap)

@@ -82,8 +82,8 @@ def validate_static(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         _int32(name, x)
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {jnp.dtype(q.dtype)} is not one of float32, bfloat16")
-    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):
-        raise ValueError(f"kv_pages dtype {jnp.dtype(kv_pages.dtype)} must equal q dtype {jnp.dtype(q.dtype)}")
+    if jnp.dtype(kv_pages.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"kv_pages dtype {jnp.dtype(kv_pages.dtype)} is not one of float32, bfloat16")
     if K2 % 2 or K2 == 0:
         raise ValueError(f"kv_pages.shape[2]={K2} must be 2K (K and V of each KV head interleaved), even and > 0")
     K = K2 // 2

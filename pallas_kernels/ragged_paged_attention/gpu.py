@@ -256,13 +256,18 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, N, H], q.dtype
     """Pallas Triton kernel; same contract as reference.ref_ragged_paged_attention.
 
+    q of another dtype than kv_pages is cast to the KV dtype; the output has q's dtype.
+
     interpret: True runs the kernel body as jnp on the host (CPU tests).
     """
     validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
+    out_dtype = q.dtype
+    q = q.astype(kv_pages.dtype)  # matmuls run in the cache's dtype (f32 activations, bf16 KV)
     if block_sizes is None:
         block_sizes = default_block_sizes(q, kv_pages, page_indices)
-    return _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                   sm_scale=float(sm_scale), sliding_window=sliding_window,
-                                   soft_cap=None if soft_cap is None else float(soft_cap),
-                                   block_sizes=block_sizes, interpret=interpret)
+    out = _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                  sm_scale=float(sm_scale), sliding_window=sliding_window,
+                                  soft_cap=None if soft_cap is None else float(soft_cap),
+                                  block_sizes=block_sizes, interpret=interpret)
+    return out.astype(out_dtype)

@@ -220,6 +220,18 @@ def test_op_by_implementation_name():
         ragged_paged_attention(*args, **_opts(BASE), implementation="cuda")
 
 
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_f32_queries_over_bf16_cache(impl):
+    """f32 activations with a bf16 cache: q is cast to bf16 for the matmuls, the output stays f32."""
+    args, _, n = case_inputs("mixed", "bfloat16")
+    q = jnp.asarray(np.random.default_rng(11).standard_normal(args[0].shape), jnp.float32)
+    args = (q, *args[1:])
+    ref = np.asarray(ref_ragged_paged_attention(*args, **_opts(BASE)))
+    out = ragged_paged_attention(*args, **_opts(BASE), implementation=impl, interpret=True)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], *tol(jnp.bfloat16)[::-1])
+
+
 # ---- reference and dispatch -----------------------------------------------------------------------
 
 def test_reference_is_causal_attention():
@@ -328,7 +340,7 @@ BAD_INPUTS = {
     "head_dim": (lambda: _replace(0, jnp.zeros((46, 8, 64))), "head dim"),
     "n_not_multiple_of_k": (lambda: _replace(0, jnp.zeros((46, 7, 128))), r"N=7 heads, not a multiple of K=2"),
     "odd_kv_axis": (lambda: _replace(1, jnp.zeros((53, 16, 3, 128))), r"kv_pages.shape\[2\]=3"),
-    "kv_dtype": (lambda: _replace(1, _valid_args()[1].astype(jnp.bfloat16)), "kv_pages dtype bfloat16"),
+    "kv_dtype": (lambda: _replace(1, _valid_args()[1].astype(jnp.float16)), "kv_pages dtype float16"),
     "q_dtype": (lambda: _replace(0, _valid_args()[0].astype(jnp.float16)), "q dtype float16"),
     "kv_lens_len": (lambda: _replace(2, jnp.zeros((5,), jnp.int32)), "kv_lens has 5 entries"),
     "kv_lens_dtype": (lambda: _replace(2, _valid_args()[2].astype(jnp.float32)), "kv_lens must be int32"),
