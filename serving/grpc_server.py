@@ -107,6 +107,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         k = spec.params.logprobs or 0
         first, done = True, set()
         try:
+            # Accepted: tell the client now (headers), before the first token.
+            await context.send_initial_metadata((("x-request-id", stream.request_id),))
             async for out in stream:
                 msg = pb.GenerateResponse(request_id=stream.request_id, finished=out.finished)
                 if first:
@@ -195,6 +197,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             await _abort(context, e)
             return
         try:
+            await context.send_initial_metadata(())
             async for out in stream:
                 if not any(co.new_token_ids or co.new_text for co in out.outputs):
                     continue
