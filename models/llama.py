@@ -25,6 +25,11 @@ from models.config import ModelConfig, rope_inv_freq
 from pallas_kernels import dispatch
 
 
+def _precision(dtype):
+    """f32 models get f32 matmuls: XLA's GPU default for f32 is TF32, which changes greedy output."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
     init = init or nnx.initializers.normal(0.02)
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
@@ -42,9 +47,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.cfg, self.kv_repeat, self.dtype = cfg, kv_repeat, dtype
+        self.cfg, self.kv_repeat, self.attn_impl, self.dtype = cfg, kv_repeat, attn_impl, dtype
         self.q_proj = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), param_dtype)
         self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -60,10 +65,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata):
         # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]
-        cfg, dt = self.cfg, self.dtype
-        q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...].astype(dt))
+        cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
+        q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...].astype(dt), precision=prec)
+        k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...].astype(dt), precision=prec)
+        v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...].astype(dt), precision=prec)
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -76,9 +81,10 @@ class Attention(nnx.Module):
             v = jnp.repeat(v, self.kv_repeat, axis=1)
         kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta)
         o = dispatch.ragged_paged_attention(
-            q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window
+            q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+            implementation=self.attn_impl,
         )
-        return jnp.einsum("tnh,nhd->td", o, self.o_proj[...].astype(dt)), kv_pages
+        return jnp.einsum("tnh,nhd->td", o, self.o_proj[...].astype(dt), precision=prec), kv_pages
 
 
 class MLP(nnx.Module):
@@ -90,17 +96,18 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x):  # [T, D]
-        dt = self.dtype
-        g = x @ self.gate_proj[...].astype(dt)
-        u = x @ self.up_proj[...].astype(dt)
-        return (jax.nn.silu(g) * u) @ self.down_proj[...].astype(dt)
+        dt, prec = self.dtype, _precision(self.dtype)
+        g = jnp.matmul(x, self.gate_proj[...].astype(dt), precision=prec)
+        u = jnp.matmul(x, self.up_proj[...].astype(dt), precision=prec)
+        return jnp.matmul(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), precision=prec)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.attn = Attention(cfg, kv_repeat=kv_repeat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -111,15 +118,19 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    """Decoder over a ragged token batch. `dtype` is the compute dtype, `param_dtype` the storage."""
+    """Decoder over a ragged token batch. `dtype` is the compute dtype, `param_dtype` the storage.
+
+    `attn_impl` is the attention implementation for the platform the model lives on (chosen by
+    pallas_kernels.dispatch.select_attention_impl); it is static, part of the graph, not of the params.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
-                 kv_repeat: int = 1):
+                 kv_repeat: int = 1, attn_impl: str = "reference"):
         param_dtype = param_dtype or dtype
         self.cfg, self.dtype, self.kv_repeat = cfg, dtype, kv_repeat
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             for _ in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
@@ -147,7 +158,8 @@ class LlamaModel(nnx.Module):
             x = jnp.take(x, logits_indices, axis=0)
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("td,dv->tv", x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("td,dv->tv", x, head.astype(self.dtype), preferred_element_type=jnp.float32,
+                            precision=_precision(self.dtype))
         return logits, tuple(new_pages)
 
 
@@ -167,10 +179,12 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
     return forward
 
 
-def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1) -> LlamaModel:
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1,
+                   attn_impl: str = "reference") -> LlamaModel:
     """The model with ShapeDtypeStruct leaves: shapes for loaders, no memory allocated."""
     return nnx.eval_shape(
-        lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat)
+        lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat,
+                           attn_impl=attn_impl)
     )
 
 

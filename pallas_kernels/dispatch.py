@@ -20,6 +20,19 @@ def _platform(x) -> str:
 _RPA_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
 
+def select_attention_impl(platform: str, head_dim: int) -> str:
+    """The ragged paged attention implementation for a model whose arrays live on `platform`.
+
+    Models resolve this once, from their mesh, rather than per call from the default backend: a
+    model placed on CPU devices of a GPU host must not trace a GPU kernel. Head dims the kernels
+    don't tile (the GPU kernel needs a power of two >= 16, e.g. stories260K's H=8 is not) run the
+    reference, which XLA compiles for any backend."""
+    impl = _RPA_BY_PLATFORM.get(platform, "reference")
+    if impl == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return "reference"
+    return impl
+
+
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, implementation: str = "auto"):
     """Attention of a ragged token batch over paged KV. See ragged_paged_attention/reference.py.

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, make_forward
+from pallas_kernels.dispatch import select_attention_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig
 from sharding.rules import kv_repeat, state_shardings
@@ -48,6 +49,10 @@ class LoadedModel:
     @cached_property
     def kv_repeat(self) -> int:
         return kv_repeat(self.config, self.mesh)
+
+    @cached_property
+    def attn_impl(self) -> str:
+        return select_attention_impl(self.mesh.devices.flat[0].platform, self.config.head_dim)
 
     @cached_property
     def forward(self):
@@ -113,7 +118,8 @@ def load_model(
 
 
 def _model_parts(cfg: ModelConfig, mesh, dtype):
-    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh)))
+    impl = select_attention_impl(mesh.devices.flat[0].platform, cfg.head_dim)  # = LoadedModel.attn_impl
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh), attn_impl=impl))
     return graphdef, abs_state, state_shardings(abs_state, mesh, cfg)
 
 
