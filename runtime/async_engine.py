@@ -85,8 +85,8 @@ class AsyncEngine:
         text, ids = self.engine.prepare_prompt(
             request.prompt if request.prompt is not None else list(request.prompt_token_ids)
         )
-        self.engine.validate(ids, request.sampling_params)
         rid = request.request_id if request.request_id is not None else f"async-{next(self._ids)}"
+        self.engine.validate(ids, request.sampling_params, request_id=rid)
         q: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:
             if rid in self._streams:

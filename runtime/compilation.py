@@ -132,6 +132,7 @@ class StepExecutor:
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
         self._abstract_kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in kv_pages)
         self._executables: dict[tuple[int, int], object] = {}
+        self._no_history: dict[int, jax.Array] = {}  # S -> device-resident all -1 i32[S, W]
         self.warmed_up = False
         self.num_warmup_compiles = 0
         self.num_compiles_after_warmup = 0
@@ -181,6 +182,12 @@ class StepExecutor:
         T = batch.tokens.shape[0]
         S = batch.logits_indices.shape[0]
         exe = self._executable(T, S)
+        if batch.sampling.history is None:  # no row has penalties: reuse a device constant
+            hist = self._no_history.get(S)
+            if hist is None:
+                full = self._empty_batch(T, S).sampling.history
+                hist = self._no_history[S] = jax.device_put(full, self._batch_sharding)
+            batch = batch._replace(sampling=batch.sampling._replace(history=hist))
         dev_batch = jax.device_put(batch, self._batch_sharding)
         return exe(params, kv_pages, dev_batch)
 

@@ -218,7 +218,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already live")
         text, prompt_ids = self.prepare_prompt(prompt)
         prompt_text = text if text is not None else prompt_text
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, request_id=request_id)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         group = _Group(request_id, prompt_text, prompt_ids, params, seed, to_fork=params.n - 1)
         seq = self._new_seq(group, 0)
@@ -238,7 +238,7 @@ class Engine:
             return prompt, self.tokenizer.encode(prompt)
         return None, validate_prompt(prompt)
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str = "") -> None:
         """Raise ValueError when a request can never run. Reads only configuration: safe to call
         from any thread."""
         cfg = self.config
@@ -261,7 +261,7 @@ class Engine:
                     f"{cfg.max_stop_token_ids}"
                 )
         # The scheduler's own limits (max_model_len, pool size); raises with both numbers.
-        self.scheduler._resolve_max_tokens("request", len(prompt_ids), params)
+        self.scheduler.check_request(request_id, len(prompt_ids), params)
 
     def _new_seq(self, group: _Group, index: int) -> _Seq:
         sid = f"s{next(self._sid_counter)}"

@@ -46,7 +46,7 @@ class SamplingBatch(NamedTuple):
     frequency_penalty: jax.Array  # f32[S]: 0 = off
     seeds: jax.Array  # u32[S, 2]: the request's 64-bit seed as (low, high) words
     positions: jax.Array  # i32[S]: position of the token being sampled (its index in the sequence)
-    history: jax.Array  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded
+    history: jax.Array  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded (host: None = all -1)
     num_prompt: jax.Array  # i32[S]: history[:num_prompt] is prompt, the rest output
     banned: jax.Array  # i32[S, NB]: ids to ban now (min_tokens), -1 padded
     want_logprobs: jax.Array  # bool[S]

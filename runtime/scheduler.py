@@ -239,6 +239,11 @@ class Scheduler:
         self._insert_waiting(req)
         return req
 
+    def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The max_tokens a request would get, or ValueError when it could never run. Reads only
+        the config, so callers may validate from another thread before queueing."""
+        return self._resolve_max_tokens(request_id, num_prompt_tokens, params)
+
     def _resolve_max_tokens(self, request_id: str, n_prompt: int, params: SamplingParams) -> int:
         L, G, P = self.config.max_model_len, self.config.page_size, self.config.num_pages
         if params.max_tokens is None:

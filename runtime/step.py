@@ -102,8 +102,10 @@ class BatchPacker:
         self.max_banned = max_banned  # NB
         self.select_bucket = select_bucket  # (num_tokens, num_seqs) -> (T, S)
 
-    def empty(self, T: int, S: int) -> StepBatch:
-        """An all-padding batch of bucket (T, S): the abstract shape warmup compiles."""
+    def empty(self, T: int, S: int, *, history: bool = True) -> StepBatch:
+        """An all-padding batch of bucket (T, S): the abstract shape warmup compiles. With
+        history=False the penalty history is None (see `pack`)."""
+        sampling = empty_sampling_batch(S, self.history_len if history else 0, self.max_banned)
         return StepBatch(
             tokens=np.zeros(T, np.int32),
             positions=np.zeros(T, np.int32),
@@ -114,14 +116,21 @@ class BatchPacker:
                 num_seqs=np.zeros(1, np.int32),
             ),
             logits_indices=np.zeros(S, np.int32),
-            sampling=empty_sampling_batch(S, self.history_len, self.max_banned),
+            sampling=sampling if history else sampling._replace(history=None),
         )
 
     def pack(self, plan: StepPlan, sampling: Callable[[str], SeqSampling]) -> StepBatch:
-        """plan.seqs[i] fills slot i. `sampling(request_id)` gives a sequence's SeqSampling."""
+        """plan.seqs[i] fills slot i. `sampling(request_id)` gives a sequence's SeqSampling.
+
+        When no row has penalties the [S, W] history (W = max_model_len, the largest input) is
+        left None rather than filled and shipped every step; the executor substitutes a
+        device-resident all -1 array of the same shape, so the compiled program is the same.
+        """
         n_tok = plan.num_prefill_tokens + plan.num_decode_tokens
         T, S = self.select_bucket(n_tok, plan.num_seqs)
-        b = self.empty(T, S)
+        histories = [(i, s.history) for i, seq in enumerate(plan.seqs)
+                     if seq.sample and (s := sampling(seq.request_id)).history is not None]
+        b = self.empty(T, S, history=bool(histories))
         m, sb = b.attn, b.sampling
         off = 0
         for i, seq in enumerate(plan.seqs):
@@ -147,11 +156,12 @@ class BatchPacker:
             sb.seeds[i] = s.seed
             sb.positions[i] = seq.num_computed_after  # the index the sampled token will have
             if s.history is not None:
-                sb.history[i] = s.history
                 sb.num_prompt[i] = s.num_prompt
             if s.num_output < p.min_tokens and len(s.stop_ids):
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
             sb.want_logprobs[i] = s.wants_logprobs
+        for i, h in histories:
+            sb.history[i] = h
         m.cu_q_lens[plan.num_seqs + 1 :] = off
         m.num_seqs[0] = plan.num_seqs
         return b

@@ -111,6 +111,8 @@ def test_packer_lays_out_plan_and_padding():
     np.testing.assert_array_equal(sb.want_logprobs, [False, True, False, False])
     fancy.append(12)  # 2 outputs: min_tokens reached, nothing banned
     assert (packer.pack(plan, table.__getitem__).sampling.banned == -1).all()
+    # Without a penalized row the [S, W] history is not built (the executor supplies -1s on device).
+    assert packer.pack(plan_of(plan.seqs[0], plan.seqs[2]), table.__getitem__).sampling.history is None
 
 
 def test_ignore_eos_keeps_eos_unbanned():
