@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -68,27 +69,36 @@ class CompileWatcher:
     """Counts XLA compiles in one thread while `watch()` is active there.
 
     jax.monitoring listeners are process-wide; this one is registered by `open()` and removed by
-    `close()`, and ignores compiles of other threads (another engine, a test building a reference).
+    `close()` (or when the watcher is garbage collected: the registered callback holds only a weak
+    reference, so a forgotten engine is not kept alive by it), and it ignores compiles of other
+    threads (another engine, a test building a reference).
     """
 
     def __init__(self) -> None:
         self.count = 0
         self._thread: int | None = None
-        self._registered = False
+        self._finalizer: weakref.finalize | None = None
 
-    def _listener(self, event: str, duration: float, **kwargs) -> None:
+    def _on_event(self, event: str) -> None:
         if event == BACKEND_COMPILE_EVENT and self._thread == threading.get_ident():
             self.count += 1
 
     def open(self) -> None:
-        if not self._registered:
-            jax.monitoring.register_event_duration_secs_listener(self._listener)
-            self._registered = True
+        if self._finalizer is not None and self._finalizer.alive:
+            return
+        ref = weakref.ref(self)
+
+        def listener(event: str, duration: float, **kwargs) -> None:
+            watcher = ref()
+            if watcher is not None:
+                watcher._on_event(event)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        self._finalizer = weakref.finalize(self, jax.monitoring.unregister_event_duration_listener, listener)
 
     def close(self) -> None:
-        if self._registered:
-            jax.monitoring.unregister_event_duration_listener(self._listener)
-            self._registered = False
+        if self._finalizer is not None:
+            self._finalizer()  # unregisters once; later calls do nothing
 
     @contextmanager
     def watch(self) -> Iterator[None]:

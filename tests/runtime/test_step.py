@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -207,3 +209,8 @@ def test_compile_watcher_counts_only_its_thread():
     with w.watch():
         jax.jit(lambda x: x * 7)(np.arange(7))
     assert w.count == 1  # closed: no longer listening
+    w.open()
+    ref = weakref.ref(w)
+    del w
+    gc.collect()
+    assert ref() is None  # the registered listener does not keep a forgotten watcher (or engine) alive
