@@ -41,7 +41,7 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig
 from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
-from runtime.request import FINISH_ABORT, FINISH_STOP, SamplingParams, validate_prompt
+from runtime.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams, validate_prompt
 from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from runtime.step import BatchPacker, SeqSampling, make_step_fn
 from sharding.mesh import mesh_axis_size
@@ -116,7 +116,7 @@ class _Group:
     seqs: list[_Seq] = field(default_factory=list)
     to_fork: int = 0  # samples still to fork from seqs[0]
     finished: bool = False
-    num_cached_tokens: int = 0
+    first: Request | None = None  # the scheduler's state of seqs[0] (kept after it finishes)
 
     @property
     def max_stop_len(self) -> int:
@@ -222,8 +222,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         group = _Group(request_id, prompt_text, prompt_ids, params, seed, to_fork=params.n - 1)
         seq = self._new_seq(group, 0)
-        self.scheduler.add_request(seq.sid, prompt_ids, replace(params, n=1), eos_token_ids=self.eos_ids,
-                                   priority=priority, cache_salt=cache_salt)
+        group.first = self.scheduler.add_request(seq.sid, prompt_ids, replace(params, n=1), eos_token_ids=self.eos_ids,
+                                                 priority=priority, cache_salt=cache_salt)
         self._groups[request_id] = group
         self._seqs[seq.sid] = seq
         self._counts["requests"] += 1
@@ -346,10 +346,9 @@ class Engine:
                 for t, v in zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist()):
                     row.setdefault(t, v)
             self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
+            self._counts["generated"] += 1
             if u.finish_reason is not None:
                 del self._seqs[u.request_id]
-        if self._pending:
-            self._counts["generated"] += len(self._pending)
 
     def _emit(self) -> list[RequestOutput]:
         touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
@@ -405,12 +404,8 @@ class Engine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 new_text=new_text, new_token_ids=new_ids,
             ))
-        if group.seqs and not group.num_cached_tokens:
-            req = self.scheduler.get_request(group.seqs[0].sid)
-            if req is not None:
-                group.num_cached_tokens = req.num_cached_tokens
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_ids), outs, group.finished,
-                             group.num_cached_tokens)
+                             group.first.num_cached_tokens)
 
     def _check_compiles(self) -> None:
         if not self.executor.warmed_up:

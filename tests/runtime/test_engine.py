@@ -350,8 +350,10 @@ def test_prefix_cache_cuts_prefill_on_shared_prefix(engine):
     reqs = [(f"p{i}", prefix + rng.integers(3, VOCAB, 16).tolist(), SamplingParams(temperature=0.0, max_tokens=2))
             for i in range(32)]
     before = engine.stats()
-    run_workload(engine, reqs)
+    results = run_workload(engine, reqs)
     after = engine.stats()
+    cached = [o.num_cached_tokens for o in results.values()]
+    assert max(cached) == 144 and cached.count(144) >= 24
     prompt = after.prompt_tokens - before.prompt_tokens
     computed = after.prefill_tokens - before.prefill_tokens
     assert prompt == 32 * 160
