@@ -37,10 +37,16 @@ def test_greedy_identical_cpu_reference_and_gpu_kernels(case, tmp_path):
     np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_gpu_kernels_close_to_cpu_reference(tmp_path):
+def test_bf16_gpu_kernels_no_less_accurate_than_cpu_reference(tmp_path):
+    # bf16 logits differ between backends by bf16 rounding alone (0.2 on O(1) logits was seen), so
+    # compare each backend's error against the f32 result: the kernels must not add error.
     make_hf_checkpoint("llama3_rope_scaling", tmp_path)
     prompt = np.random.default_rng().integers(0, BASE["vocab_size"], PROMPT_LEN).tolist()
-    out = [Generator(load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices(p)), dtype="bfloat16", progress=False),
-                     max_len=PROMPT_LEN).prompt_logits(prompt) for p in ("cpu", "gpu")]
-    # bf16 activations: the two backends round differently; logits are O(1) here.
-    np.testing.assert_allclose(out[1], out[0], atol=0.1, rtol=0.05)
+
+    def logits(platform, dtype):
+        model = load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices(platform)), dtype=dtype, progress=False)
+        return Generator(model, max_len=PROMPT_LEN).prompt_logits(prompt)
+
+    exact = logits("cpu", "float32")
+    rms = {p: float(np.sqrt(np.mean((logits(p, "bfloat16") - exact) ** 2))) for p in ("cpu", "gpu")}
+    assert rms["gpu"] <= 1.5 * rms["cpu"] + 1e-3, rms
