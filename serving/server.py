@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 
@@ -146,6 +147,30 @@ def build_engine(settings: ServeSettings, model: str):
     return AsyncEngine(engine), tokenizer, str(loaded.source)
 
 
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """fn(*args) in a daemon thread: unlike asyncio.to_thread, a process stopped mid-load (SIGTERM
+    during a long compile) does not wait for it at exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is gone: the server stopped while loading
+            pass
+
+    threading.Thread(target=run, name="xlaserve-load", daemon=True).start()
+    return fut
+
+
 async def serve(settings: ServeSettings, model: str) -> int:
     """Run until SIGTERM/SIGINT, then drain and exit. Returns the process exit code."""
     cfg = settings.server
@@ -155,13 +180,11 @@ async def serve(settings: ServeSettings, model: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await app.start()
-    load = asyncio.create_task(asyncio.to_thread(build_engine, settings, model), name="load")
+    load = _in_daemon_thread(build_engine, settings, model)
     await asyncio.wait({load, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    if not load.done():  # stopped while loading: nothing in flight; leave once the load is over
+    if not load.done():  # stopped while loading (compiling can take minutes): nothing is in flight
         logger.info("stopping before the model finished loading")
         await app.shutdown()
-        with contextlib.suppress(Exception):
-            (await load)[0].shutdown()
         return 0
     try:
         engine, tokenizer, source = load.result()

@@ -193,3 +193,12 @@ def test_every_serve_flag_maps_to_a_config_key(tmp_path):
 def test_sampling_params_pass_through_unchanged():
     r = completion(temperature=0, max_tokens=3)
     assert r.params == SamplingParams(temperature=0.0, max_tokens=3)
+
+
+@pytest.mark.parametrize("name", ["serve_cpu.yaml", "serve_example.yaml"])
+def test_shipped_configs_load(name):
+    from tests.testing.data import REPO_ROOT
+
+    s = build_settings(load_yaml(REPO_ROOT / "configs" / name), {})
+    assert s.server.host == "127.0.0.1"
+    s.engine_config()  # every engine key is an EngineConfig field with a valid value
