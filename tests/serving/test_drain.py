@@ -1,0 +1,112 @@
+"""`xlaserve serve` as a subprocess: SIGTERM during load finishes in-flight requests, refuses new
+ones (health 503), and exits 0 within the drain timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import yaml
+
+from tests.serving.conftest import CHAT_TEMPLATE, ENGINE_SETTINGS, MODEL_NAME
+from tests.testing.data import REPO_ROOT
+
+DRAIN_TIMEOUT = 30.0
+
+
+def _read_ports(proc: subprocess.Popen, log: list[str], draining: threading.Event, timeout: float = 180.0) -> int:
+    """Read the server's stderr until it reports ready; returns the HTTP port. A reader thread
+    keeps collecting lines afterwards (so the pipe never fills) and sets `draining` when the
+    server says it started draining."""
+    ready = threading.Event()
+    port: list[int] = []
+
+    def reader() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            m = re.search(r"ready: HTTP port (\d+), gRPC port (\d+)", line)
+            if m:
+                port.append(int(m.group(1)))
+                ready.set()
+            if "signal received: draining" in line:
+                draining.set()
+        ready.set()
+        draining.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert ready.wait(timeout) and port, "server did not become ready:\n" + "".join(log[-30:])
+    return port[0]
+
+
+def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
+    engine = {k: list(v) if isinstance(v, tuple) else v for k, v in ENGINE_SETTINGS.items()}
+    engine.update(progress=True, strict_compile=False)
+    cfg = {"model": str(stories_path),
+           "server": {"host": "127.0.0.1", "port": 0, "grpc_port": 0, "served_model_name": MODEL_NAME,
+                      "chat_template": CHAT_TEMPLATE, "drain_timeout_s": DRAIN_TIMEOUT, "status_interval_s": 0.5},
+           "engine": engine}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # one device is enough
+    proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "serve", "--config", str(tmp_path / "serve.yaml")],
+                            cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    try:
+        draining = threading.Event()
+        port = _read_ports(proc, log, draining)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health").status_code == 200
+        results: dict[int, list] = {}
+        first_chunk = threading.Barrier(5)
+
+        def stream(i: int) -> None:
+            body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200 + i, "ignore_eos": True,
+                    "stream": True}
+            events, passed = [], False
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if not passed:
+                            passed = True
+                            first_chunk.wait(60)
+            results[i] = events
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        first_chunk.wait(60)  # every stream has its first token: the requests are in flight
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # While draining: not healthy, and new work is refused (the 4 streams have ~200 tokens to go).
+        assert draining.wait(30)
+        h = httpx.get(base + "/health", timeout=5)
+        assert h.status_code == 503 and h.json() == {"status": "draining"}
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        for t in threads:
+            t.join(60)
+        rc = proc.wait(DRAIN_TIMEOUT + 15)
+        elapsed = time.monotonic() - t_term
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, "".join(log[-30:])
+    assert elapsed < DRAIN_TIMEOUT + 10
+    for i, events in results.items():
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", f"stream {i} did not complete"
+        assert len(chunks) == 200 + i  # one chunk per token: the whole completion arrived
+    text = "".join(log)
+    assert "draining" in text and "stopped (0 requests aborted" in text
+    assert re.search(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s", text)
