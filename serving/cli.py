@@ -135,15 +135,14 @@ def _serve_settings(args):
 
 
 def cmd_serve(args) -> int:
-    import asyncio
     import logging
 
-    from serving.server import serve
+    from serving.server import run
 
     settings = _serve_settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = settings.model or str(default_model_path())
-    return asyncio.run(serve(settings, model))
+    return run(settings, model)
 
 
 def _load(args):

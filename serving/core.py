@@ -124,7 +124,7 @@ class ServingCore:
             architecture=mcfg.architecture, vocab_size=mcfg.vocab_size, max_model_len=cfg.max_model_len,
             eos_token_ids=tuple(eng.eos_ids), has_tokenizer=tokenizer is not None,
             has_chat_template=chat_template is not None or (tokenizer is not None and tokenizer.chat_template is not None),
-            dtype=str(eng.model.dtype.__name__ if hasattr(eng.model.dtype, "__name__") else eng.model.dtype),
+            dtype=getattr(eng.model.dtype, "__name__", str(eng.model.dtype)),
             max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size, num_pages=cfg.num_pages,
             max_logprobs=cfg.max_logprobs, max_n=self.config.max_n, max_stop=self.config.max_stop,
             created=int(time.time()),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from runtime.request import SamplingParams
 from serving.errors import InvalidRequest, NotFound

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 from pathlib import Path
@@ -147,6 +149,21 @@ def build_engine(settings: ServeSettings, model: str):
     return AsyncEngine(engine), tokenizer, str(loaded.source)
 
 
+_LOAD_THREAD = "xlaserve-load"
+
+
+def run(settings: ServeSettings, model: str) -> int:
+    """`xlaserve serve`: serve until SIGTERM/SIGINT; returns the exit code."""
+    rc = asyncio.run(serve(settings, model))
+    if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped mid-load: XLA is still compiling in that thread, and interpreter shutdown would
+        # tear it down with an abort. Nothing is left to clean up: leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
 def _in_daemon_thread(fn, *args) -> asyncio.Future:
     """fn(*args) in a daemon thread: unlike asyncio.to_thread, a process stopped mid-load (SIGTERM
     during a long compile) does not wait for it at exit."""
@@ -157,7 +174,7 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
         if not fut.done():
             fut.set_exception(error) if error is not None else fut.set_result(result)
 
-    def run() -> None:
+    def work() -> None:
         try:
             result, error = fn(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to the event loop
@@ -167,7 +184,7 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
         except RuntimeError:  # the loop is gone: the server stopped while loading
             pass
 
-    threading.Thread(target=run, name="xlaserve-load", daemon=True).start()
+    threading.Thread(target=work, name=_LOAD_THREAD, daemon=True).start()
     return fut
 
 

@@ -110,3 +110,45 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
     text = "".join(log)
     assert "draining" in text and "stopped (0 requests aborted" in text
     assert re.search(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s", text)
+
+
+def test_health_during_warmup_and_sigterm_while_loading(stories_path):
+    """Ports are bound before the model is loaded: health says "warming up" (HTTP 503, gRPC
+    NOT_SERVING) and requests get 503; SIGTERM then exits 0 at once, without waiting for the compile."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    # Default buckets: 20+ programs to compile, so the server is still warming up below.
+    proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "serve", "--model", str(stories_path), "--port", "0",
+                             "--grpc-port", "0", "--served-model-name", MODEL_NAME],
+                            cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    try:
+        ports = {}
+        for line in proc.stderr:
+            log.append(line)
+            for kind in ("HTTP", "gRPC"):
+                m = re.search(kind + r" listening on \S*?127\.0\.0\.1:(\d+)", line)
+                if m:
+                    ports[kind] = int(m.group(1))
+            if len(ports) == 2:
+                break
+        assert len(ports) == 2, "".join(log)
+        base = f"http://127.0.0.1:{ports['HTTP']}"
+        h = httpx.get(base + "/health", timeout=5)
+        assert h.status_code == 503 and h.json() == {"status": "warming up"}
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
+        with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+        assert rc == 0 and time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
