@@ -145,20 +145,21 @@ def cmd_serve(args) -> int:
     return run(settings, model)
 
 
-def _load(args):
-    from runtime.checkpoint import load_model
-    from sharding.mesh import MeshConfig
-
-    model = args.model or str(default_model_path())
-    return load_model(model, mesh=MeshConfig(tensor=args.tensor).make_mesh(), dtype=args.dtype,
-                      progress=not getattr(args, "json", False))
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def cmd_generate(args) -> int:
-    from runtime.generate import Generator
+    """One prompt through the engine (the same step function `serve` runs), sized to the prompt."""
+    from runtime.checkpoint import load_model
+    from runtime.llm import LLM
+    from runtime.request import SamplingParams
     from runtime.tokenizer import load_tokenizer
+    from sharding.mesh import MeshConfig
 
-    loaded = _load(args)
+    mesh = MeshConfig(tensor=args.tensor)
+    loaded = load_model(args.model or str(default_model_path()), mesh=mesh.make_mesh(), dtype=args.dtype,
+                        progress=not args.json)
     tok = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path else None
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -174,18 +175,19 @@ def cmd_generate(args) -> int:
     bad = [i for i in prompt_ids if not 0 <= i < loaded.config.vocab_size]
     if bad:
         raise SystemExit(f"--prompt-ids has ids outside the vocabulary [0, {loaded.config.vocab_size}): {bad[:5]}")
-    max_len = min(loaded.config.max_position_embeddings, len(prompt_ids) + args.max_tokens)
-    if len(prompt_ids) + args.max_tokens > loaded.config.max_position_embeddings:
+    total = len(prompt_ids) + args.max_tokens
+    if total > loaded.config.max_position_embeddings:
         raise SystemExit(f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
                          f"model's context of {loaded.config.max_position_embeddings}")
-    gen = Generator(loaded, max_len=max_len)
-    eos = tok.eos_ids if tok is not None else ()
-    try:
-        res = gen.generate(prompt_ids, args.max_tokens, eos_ids=eos, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    text = tok.decode(res.token_ids) if tok is not None else ""
+    chunk = min(_bucket(len(prompt_ids)), 512)  # longer prompts prefill in chunks of 512
+    llm = LLM(loaded, tokenizer=tok, mesh=mesh, max_num_seqs=1, max_num_batched_tokens=chunk,
+              token_buckets=tuple(sorted({16, chunk})), seq_buckets=(1,), max_model_len=_bucket(total),
+              seed=args.seed, progress=not args.json)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+    res = out.outputs[0]
+    text = res.text if tok is not None else ""
     if args.json:
         print(json.dumps({"text": text, "token_ids": res.token_ids, "prompt_token_ids": prompt_ids,
                           "finish_reason": res.finish_reason}))

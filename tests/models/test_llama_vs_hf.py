@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from runtime.checkpoint import load_model  # noqa: E402
-from runtime.generate import Generator  # noqa: E402
+from tests.testing.greedy import greedy_generate  # noqa: E402
 from tests.tolerances import MODEL_LOGITS_F32  # noqa: E402
 
 PROMPT_LEN = 64
@@ -73,7 +73,7 @@ def test_logits_match_hf(pair):
     prompt = rng.integers(0, BASE["vocab_size"], PROMPT_LEN).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float().numpy()
-    got = Generator(ours, max_len=PROMPT_LEN, page_size=16).prompt_logits(prompt)
+    got = greedy_generate(ours, prompt, 1).prompt_logits
     atol, rtol = MODEL_LOGITS_F32
     np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
 
@@ -88,5 +88,5 @@ def test_greedy_tokens_match_hf(pair):
                           do_sample=False, pad_token_id=0)[0].tolist()
         top2 = torch.topk(hf(torch.tensor([ref])).logits[0, PROMPT_LEN - 1 : -1], 2).values
     assert float((top2[:, 0] - top2[:, 1]).min()) > 2 * MODEL_LOGITS_F32[0], "reference has a near-tie"
-    got = Generator(ours, max_len=PROMPT_LEN + NEW_TOKENS, page_size=16).generate(prompt, NEW_TOKENS).token_ids
+    got = greedy_generate(ours, prompt, NEW_TOKENS).tokens
     assert got == ref[PROMPT_LEN:]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import load_model
-from runtime.generate import Generator
+from tests.testing.greedy import greedy_generate
 from sharding.mesh import MeshConfig
 from tests.models.test_llama_vs_hf import BASE, PROMPT_LEN, make_hf_checkpoint
 
@@ -29,12 +29,9 @@ def test_greedy_identical_cpu_reference_and_gpu_kernels(case, tmp_path):
     gpu = load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices("gpu")), dtype="float32", progress=False)
     assert (cpu.attn_impl, gpu.attn_impl) == ("reference", "gpu")
     prompt = np.random.default_rng(1).integers(0, BASE["vocab_size"], PROMPT_LEN).tolist()
-    ref = Generator(cpu, max_len=PROMPT_LEN + 32).generate(prompt, 32).token_ids
-    got = Generator(gpu, max_len=PROMPT_LEN + 32).generate(prompt, 32).token_ids
-    ref_logits = Generator(cpu, max_len=PROMPT_LEN).prompt_logits(prompt)
-    got_logits = Generator(gpu, max_len=PROMPT_LEN).prompt_logits(prompt)
-    assert got == ref
-    np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    ref, got = greedy_generate(cpu, prompt, 32), greedy_generate(gpu, prompt, 32)
+    assert got.tokens == ref.tokens
+    np.testing.assert_allclose(got.prompt_logits, ref.prompt_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_gpu_kernels_no_less_accurate_than_cpu_reference(tmp_path):
@@ -45,7 +42,7 @@ def test_bf16_gpu_kernels_no_less_accurate_than_cpu_reference(tmp_path):
 
     def logits(platform, dtype):
         model = load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices(platform)), dtype=dtype, progress=False)
-        return Generator(model, max_len=PROMPT_LEN).prompt_logits(prompt)
+        return greedy_generate(model, prompt, 1).prompt_logits
 
     exact = logits("cpu", "float32")
     rms = {p: float(np.sqrt(np.mean((logits(p, "bfloat16") - exact) ** 2))) for p in ("cpu", "gpu")}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import load_model, restore_orbax, save_orbax
-from runtime.generate import Generator
+from tests.testing.greedy import greedy_generate
 from sharding.mesh import MeshConfig
 from sharding.rules import attention_layout
 from tests.models.test_llama_vs_hf import BASE, make_hf_checkpoint
@@ -21,7 +21,7 @@ def checkpoint(request, tmp_path_factory):
     make_hf_checkpoint(request.param, path)
     prompt = np.random.default_rng().integers(0, BASE["vocab_size"], 40).tolist()
     single = load_model(path, dtype="float32", progress=False)
-    return path, prompt, Generator(single, max_len=48).prompt_logits(prompt)
+    return path, prompt, greedy_generate(single, prompt, 1).prompt_logits
 
 
 @pytest.mark.parametrize("replica,tensor", MESHES)
@@ -36,7 +36,7 @@ def test_mesh_matches_single_device(checkpoint, replica, tensor):
         assert mlp.addressable_shards[0].data.shape[1] == model.config.intermediate_size // tensor
     if model.config.num_kv_heads < tensor and q_sharded:
         assert rep == tensor // model.config.num_kv_heads and kv_sharded
-    got = Generator(model, max_len=48).prompt_logits(prompt)
+    got = greedy_generate(model, prompt, 1).prompt_logits
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -50,7 +50,7 @@ def test_orbax_restores_onto_another_mesh(checkpoint, tmp_path):
         assert restored.config == src.config
         leaf = restored.params["layers"][0]["mlp"]["up_proj"][...]
         assert leaf.sharding.mesh.shape == mesh.shape
-        np.testing.assert_allclose(Generator(restored, max_len=48).prompt_logits(prompt), ref, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(greedy_generate(restored, prompt, 1).prompt_logits, ref, atol=2e-5, rtol=2e-5)
     # the bf16 restore path casts on device
     half = restore_orbax(tmp_path / "ckpt", mesh=MeshConfig().make_mesh(), dtype="bfloat16")
     assert half.params["embed"][...].dtype == np.dtype("bfloat16")

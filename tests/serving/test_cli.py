@@ -1,0 +1,50 @@
+"""`xlaserve generate` / `convert` as a user runs them (subprocess, real console script)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.testing.data import shared_data_dir
+
+GOLDEN_START = "Once upon a time, there was a little girl named Lily. She loved"  # data README
+
+
+def xlaserve(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "xlaserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_json_contract_on_stories260k():
+    model = shared_data_dir() / "stories260k" / "stories260K.bin"
+    r = xlaserve("generate", "--model", str(model), "--prompt-ids", "1", "--max-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason"}
+    assert out["prompt_token_ids"] == [1] and len(out["token_ids"]) == 16 and out["finish_reason"] == "length"
+    assert out["text"] == "Once upon a time, there was a little girl named Lily. She" and GOLDEN_START.startswith(out["text"])
+
+
+def test_generate_text_prompt_and_convert_roundtrip(tmp_path):
+    model = shared_data_dir() / "stories260k" / "stories260K.bin"
+    args = ["--prompt", "Once upon a time", "--max-tokens", "8", "--json"]
+    first = xlaserve("generate", "--model", str(model), *args)
+    assert first.returncode == 0, first.stderr
+    r = xlaserve("convert", str(model), str(tmp_path / "orbax"))
+    assert r.returncode == 0, r.stderr
+    again = xlaserve("generate", "--model", str(tmp_path / "orbax"), *args)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1]) == json.loads(first.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--model", "/no/such/model"], "checkpoint /no/such/model does not exist"),
+    (["generate", "--model", "stories260k", "--prompt", "hi"], "has no tokenizer; pass --prompt-ids"),
+    (["generate", "--model", "stories260k", "--prompt-ids", "1,99999"], "outside the vocabulary [0, 512)"),
+    (["generate", "--model", "stories260k", "--prompt-ids", "1", "--max-tokens", "600"], "exceeds the model's context of 512"),
+    (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
+])
+def test_bad_input_gives_one_clear_line(args, message):
+    r = xlaserve(*args)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
