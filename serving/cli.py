@@ -47,6 +47,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve", description="JAX/XLA LLM inference runtime")
+    parser.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "xlaserve" / "xla"),
+                        help="directory of XLA's persistent compilation cache, so a restart skips the "
+                             "warmup compiles ('none' disables it); default: %(default)s")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -204,8 +207,19 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _enable_compile_cache(path: str) -> None:
+    if path.lower() == "none":
+        return
+    import jax
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _enable_compile_cache(args.compile_cache)
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}
     try:
         return handlers[args.command](args)
