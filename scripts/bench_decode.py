@@ -1,0 +1,353 @@
+"""Decode speed of the engine's step on one device: batch-1 tok/s and MBU, throughput at larger batches.
+
+  python3 scripts/bench_decode.py --out decode.json                       # llama3_2_1b + llama3_8b, bf16
+  python3 scripts/bench_decode.py --models smollm2_135m --batches 1 4 --ctx 64 --steps 8   # CPU smoke test
+
+Random ("dummy") bf16 weights made on the device by runtime.checkpoint.load_model. Every sequence
+sits at `--ctx` tokens of context (KV pages scattered at random over the pool) and decodes one token
+per step. For each model and batch size B it times, back to back with the KV pool donated and
+threaded through (median over repetitions, warmed up, block_until_ready at the end of each one):
+
+  model     the pure model step: jit(forward + argmax), batch arrays already on the device;
+  step      the engine's compiled step (runtime/step.py: forward, paged KV written and read through
+            pallas_kernels.dispatch -- the Pallas kernel on GPU -- then the full sampler with greedy
+            rows), batch already on the device: the engine's program;
+  executor  the same compiled step called as the engine calls it (StepExecutor with a numpy batch,
+            so the host->device copy of the batch is in every step);
+  engine    (B = 1 only) `Engine.step()` in steady decode: scheduling, packing, dispatch, output
+            handling; median wall time between consecutive steps.
+
+Bytes that must move per step = the weights read at decode (every parameter array except an untied
+embedding table, of which only B rows are gathered) + every K/V row of the context + the new K/V
+rows written. MBU = bytes / time / copy bandwidth, the copy (bytes read + written by a large jitted
+elementwise op) measured in the same process.
+
+With `--flag-variants NAME=XLA_FLAGS ...` the script also reruns the batch-1 measurement of the
+first model in a child process per variant (XLA reads its flags once per process), e.g.
+  --flag-variants "cmdbuf_cond=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+The main measurement itself also runs in a child so that no process holds the device's memory
+(XLA preallocates it) while another one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------ child side
+
+
+def copy_bandwidth(jax, jnp, n: int) -> dict:
+    """Bytes read + written per second by a large jitted elementwise op (x * 2 over n f32)."""
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / 10)
+    del x, y
+    t = statistics.median(times)
+    return {"copy_bytes_per_s": 2 * n * 4 / t, "copy_bytes": 2 * n * 4, "copy_s": t}
+
+
+def timed_loop(call, state, *, min_rep_s: float, reps: int):
+    """Median seconds per call of `state = call(state)`: warmed up, back-to-back calls per repetition,
+    blocked at the end of each repetition. Returns (seconds, state)."""
+    import jax
+
+    for _ in range(3):
+        state = call(state)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = call(state)
+    jax.block_until_ready(state)
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(3, min(500, int(min_rep_s / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            state = call(state)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), state, iters
+
+
+def run_child(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from runtime.checkpoint import load_model
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.request import SamplingParams
+
+    dev = jax.devices()[0]
+    res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "ctx": args.ctx, "rows": [], "models": {}}
+    res.update(copy_bandwidth(jax, jnp, args.copy_elems))
+    bw = res["copy_bytes_per_s"]
+    print(f"[{res['device']}] copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+
+    G = args.page_size
+    for name in args.models:
+        t0 = time.perf_counter()
+        loaded = load_model(f"dummy:{name}", dtype="bfloat16", progress=False)
+        jax.block_until_ready(loaded.params)
+        mc = loaded.config
+        leaves = jax.tree.leaves(loaded.params)
+        param_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+        embed = loaded.params["embed"][...]
+        embed_bytes = embed.size * embed.dtype.itemsize
+        weights_read = param_bytes - (0 if mc.tie_word_embeddings else embed_bytes)
+        kv_tok = mc.kv_bytes_per_token(2)  # all layers, K and V, bf16
+        batches = sorted(args.batches)
+        Bmax = batches[-1]
+        pps = -(-(args.ctx + 1) // G)  # pages per sequence at ctx + the token being written
+        eng_steps = args.steps
+        max_model_len = -(-(args.ctx + eng_steps + 8) // G) * G
+        prefill_T = 1 << (args.ctx - 1).bit_length()
+        num_pages = Bmax * pps + 2 * -(-max_model_len // G)
+        token_buckets = tuple(sorted(set(batches) | {prefill_T}))
+        cfg = EngineConfig(max_num_seqs=Bmax, max_num_batched_tokens=token_buckets[-1], page_size=G,
+                           num_pages=num_pages, max_model_len=max_model_len, token_buckets=token_buckets,
+                           seq_buckets=tuple(batches), dtype="bfloat16", warmup=False, progress=False,
+                           enable_prefix_caching=False)
+        engine = Engine(loaded, cfg)
+        ex = engine.executor
+        info = {"param_bytes": param_bytes, "weights_read_bytes": weights_read, "embed_bytes": embed_bytes,
+                "kv_bytes_per_token": kv_tok, "num_pages": num_pages, "load_s": time.perf_counter() - t0}
+        res["models"][name] = info
+
+        fwd = loaded.forward
+
+        def model_step(params, kv, tokens, positions, meta, li):
+            logits, kv = fwd(params, tokens, positions, kv, meta, li)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
+
+        model_jit = jax.jit(model_step, donate_argnums=(1,))
+        rng = np.random.default_rng(0)
+        perm = rng.permutation(num_pages).astype(np.int32)
+
+        def make_batch(B, history: bool):
+            b = engine.packer.empty(B, B, history=history)
+            b.tokens[:] = rng.integers(0, mc.vocab_size, B)
+            b.positions[:] = args.ctx
+            m = b.attn
+            m.kv_lens[:] = args.ctx + 1
+            m.page_indices[:, :pps] = perm[: B * pps].reshape(B, pps)
+            m.cu_q_lens[:] = np.arange(B + 1)
+            m.num_seqs[0] = B
+            b.logits_indices[:] = np.arange(B)
+            return b
+
+        # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
+        t0 = time.perf_counter()
+        jobs = []
+        for B in batches:
+            jobs.append((("step", B), ex._lower(B, B)))
+            if B in args.model_batches:
+                b = make_batch(B, True)
+                jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
+                                                           b.attn, b.logits_indices)))
+        if 1 in batches and not args.no_engine:
+            jobs.append((("step", (prefill_T, 1)), ex._lower(prefill_T, 1)))
+        compiled = {}
+        with ThreadPoolExecutor(4) as pool:
+            futs = [(k, pool.submit(lw.compile)) for k, lw in jobs]
+            for k, f in futs:
+                compiled[k] = f.result()
+        for k, exe in compiled.items():
+            if k[0] == "step":
+                key = k[1] if isinstance(k[1], tuple) else (k[1], k[1])
+                ex._executables[key] = exe
+        info["compile_s"] = time.perf_counter() - t0
+        print(f"{name}: {param_bytes / 1e9:.2f} GB params ({weights_read / 1e9:.2f} GB read per step), "
+              f"{num_pages} KV pages; load {info['load_s']:.1f}s, {len(jobs)} programs compiled in "
+              f"{info['compile_s']:.1f}s", flush=True)
+
+        kv = engine.kv_pages
+        engine.kv_pages = None
+        for B in batches:
+            bytes_step = weights_read + B * (args.ctx + 1) * kv_tok + B * kv_tok
+            row = {"model": name, "batch": B, "ctx": args.ctx, "bytes_per_step": bytes_step,
+                   "floor_s": bytes_step / bw}
+            hb = make_batch(B, True)
+            db = jax.device_put(hb, ex._batch_sharding)
+            measured = {}
+            if ("model", B) in compiled:
+                exe = compiled[("model", B)]
+
+                def call(kv, exe=exe, db=db):
+                    return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
+
+                measured["model"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+            exe = compiled[("step", B)]
+
+            def call(kv, exe=exe, db=db):
+                return exe(loaded.params, kv, db)[2]
+
+            measured["step"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+            nb = make_batch(B, False)  # what the packer gives when no row has penalties
+
+            def call(kv, nb=nb):
+                return ex(loaded.params, kv, nb)[2]
+
+            measured["executor"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+            for k, t in measured.items():
+                row[f"{k}_s"] = t
+                row[f"{k}_tok_s"] = B / t
+                row[f"{k}_mbu"] = bytes_step / t / bw
+            res["rows"].append(row)
+            print(_fmt_row(row), flush=True)
+
+        engine.kv_pages = kv
+        if 1 in batches and not args.no_engine:
+            row = next(r for r in res["rows"] if r["model"] == name and r["batch"] == 1)
+            prompt = rng.integers(0, mc.vocab_size, args.ctx).tolist()
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=eng_steps, ignore_eos=True))
+            stamps = []
+            n_out = 0
+            while engine.has_unfinished():
+                outs = engine.step()
+                stamps.append((time.perf_counter(), n_out))
+                for o in outs:
+                    n_out = len(o.outputs[0].token_ids)
+            # steady decode: intervals between steps once the first tokens are out (skip the prefill and
+            # the first two decode steps), up to the last dispatch
+            ts = [t for t, n in stamps if n >= 2]
+            gaps = [b - a for a, b in zip(ts, ts[1:])][:-1] or [float("nan")]
+            t = statistics.median(gaps)
+            row.update(engine_s=t, engine_tok_s=1 / t, engine_mbu=row["bytes_per_step"] / t / bw,
+                       engine_steps_timed=len(gaps))
+            engine.check_invariants()
+            print(f"{name}: engine.step() batch-1 decode {1 / t:.1f} tok/s, MBU {row['engine_mbu']:.1%} "
+                  f"(median of {len(gaps)} step intervals)", flush=True)
+        del engine, kv, loaded, compiled, jobs, ex
+        import gc
+
+        gc.collect()
+    return res
+
+
+# ----------------------------------------------------------------------------------------- parent side
+
+
+def _fmt_row(r: dict) -> str:
+    parts = [f"{r['model']:>12} B={r['batch']:<4}"]
+    for k in ("model", "step", "executor", "engine"):
+        if f"{k}_s" in r:
+            parts.append(f"{k} {r[f'{k}_s'] * 1e3:7.3f} ms {r[f'{k}_tok_s']:9.1f} tok/s {r[f'{k}_mbu']:6.1%}")
+    return " | ".join(parts)
+
+
+def table(res: dict) -> str:
+    bw = res["copy_bytes_per_s"]
+    lines = [f"device {res['device']}, jax {res['jax']}, copy {bw / 1e12:.2f} TB/s, ctx {res['ctx']}, "
+             f"XLA_FLAGS={res['xla_flags'] or '(none)'}",
+             "| model | B | floor tok/s | model: tok/s (MBU) | step: tok/s (MBU) | executor: tok/s (MBU) | engine.step: tok/s (MBU) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        cells = [r["model"], str(r["batch"]), f"{r['batch'] / r['floor_s']:,.0f}"]
+        for k in ("model", "step", "executor", "engine"):
+            cells.append(f"{r[f'{k}_tok_s']:,.1f} ({r[f'{k}_mbu']:.1%})" if f"{k}_s" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _child_cmd(args, out: str, models, batches, model_batches, no_engine: bool) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", out, "--models", *models,
+           "--batches", *map(str, batches), "--model-batches", *map(str, model_batches), "--ctx", str(args.ctx),
+           "--steps", str(args.steps), "--page-size", str(args.page_size), "--copy-elems", str(args.copy_elems),
+           "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps)]
+    return cmd + (["--no-engine"] if no_engine else [])
+
+
+def _run(cmd, env) -> dict | None:
+    out = cmd[cmd.index("--out") + 1]
+    p = subprocess.run(cmd, env=env)
+    if p.returncode != 0 or not Path(out).exists():
+        return {"error": f"child exited with {p.returncode}"}
+    return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llama3_2_1b", "llama3_8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    ap.add_argument("--model-batches", nargs="+", type=int, default=None,
+                    help="batches that also get the pure model step (default: all)")
+    ap.add_argument("--ctx", type=int, default=512, help="context tokens of every sequence")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps of the engine.step() loop (batch 1)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
+    ap.add_argument("--min-rep-s", type=float, default=0.2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine.step() loop")
+    ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.model_batches is None:
+        args.model_batches = list(args.batches)
+    if args.child:
+        res = run_child(args)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
+
+    command = "python3 scripts/bench_decode.py " + " ".join(sys.argv[1:])
+    result = {"command": command, "commit": _commit(), "date": datetime.date.today().isoformat()}
+    with tempfile.TemporaryDirectory() as tmp:
+        main_res = _run(_child_cmd(args, f"{tmp}/main.json", args.models, args.batches, args.model_batches,
+                                   args.no_engine), os.environ.copy())
+        result["main"] = main_res
+        variants = {}
+        for i, spec in enumerate(args.flag_variants):
+            name, _, flags = spec.partition("=")
+            env = os.environ.copy()
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+            print(f"\n== variant {name}: XLA_FLAGS={env['XLA_FLAGS']}", flush=True)
+            variants[name] = _run(_child_cmd(args, f"{tmp}/v{i}.json", args.models[:1], [1], [1], False), env)
+        result["variants"] = variants
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\ncommit {result['commit']}  {result['date']}  {command}")
+    if "rows" in main_res:
+        print(table(main_res))
+    else:
+        print("main run failed:", main_res)
+    for name, v in variants.items():
+        print(f"\nvariant {name}:")
+        print(table(v) if "rows" in v else v)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Offline throughput: xlaserve `LLM.generate` against HF transformers `generate` (static cache) on
+the same model shape, the same random prompts and the same GPU, in one run.
+
+  python3 scripts/bench_throughput.py --out throughput.json            # llama3_2_1b, 256 x (512 in / 256 out)
+  python3 scripts/bench_throughput.py --model smollm2_135m --num-prompts 8 --input-len 32 --output-len 16 \
+      --max-num-batched-tokens 256 --token-buckets 16 256 --seq-buckets 8 --hf-batch 8      # CPU smoke test
+
+Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `--output-len` tokens
+each, greedy, EOS ignored (every request generates exactly output-len tokens; checked).
+
+xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
+small bucket table (warmup compile time is reported apart), one short warm-up generate, then the
+timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
+compiled step with the sampler, detokenization skipped as there is no tokenizer).
+
+HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
+`generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
+prompts (eager PyTorch, SDPA attention; no torch.compile), warmed up once, timed with
+cuda.synchronize.
+
+The two sides run one after the other, each in its own child process, so that neither holds GPU
+memory while the other runs (XLA preallocates 75% of the card by default, kept as it is). Both
+report output tokens per second (generated tokens / wall time of the generate call) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab, size=(n, length)).tolist()
+
+
+def run_xla(args) -> dict:
+    import jax
+
+    from models.config import get_preset
+    from runtime.llm import LLM
+    from runtime.request import SamplingParams
+
+    mc = get_preset(args.model)
+    prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, args.seed)
+    G = args.page_size
+    max_model_len = -(-(args.input_len + args.output_len) // G) * G
+    cfg = dict(dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               page_size=G, max_model_len=max_model_len, progress=False,
+               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
+               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
+    if args.num_pages:
+        cfg["num_pages"] = args.num_pages
+    t0 = time.perf_counter()
+    llm = LLM(f"dummy:{args.model}", **cfg)
+    init_s = time.perf_counter() - t0
+    eng = llm.engine
+    st0 = eng.stats()
+    # warm-up: a few short requests through the same programs
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(make_prompts(min(4, args.num_prompts), args.input_len, mc.vocab_size, args.seed + 1), warm,
+                 use_tqdm=False)
+    st1 = eng.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    st2 = eng.stats()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    bad = [i for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len]
+    eng.check_invariants()
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
+        "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": eng.config.num_pages,
+        "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
+        "wall_s": wall, "output_tokens": n_out, "wrong_length": bad[:5],
+        "output_tok_s": n_out / wall, "total_tok_s": (n_out + args.num_prompts * args.input_len) / wall,
+        "steps": st2.num_steps - st1.num_steps, "preemptions": st2.num_preemptions - st1.num_preemptions,
+        "prefill_tokens": st2.prefill_tokens - st1.prefill_tokens,
+        "compiles_after_warmup": st2.num_compiles_after_warmup,
+    }
+
+
+def run_hf(args) -> dict:
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.config import get_preset
+
+    mc = get_preset(args.model)
+    prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, args.seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_cfg = LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
+        max_position_embeddings=max(mc.max_position_embeddings, args.input_len + args.output_len),
+        tie_word_embeddings=mc.tie_word_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = LlamaForCausalLM(hf_cfg)
+    model = model.to(dev, torch.bfloat16).eval()
+    for p in model.parameters():  # HF's init leaves some tensors constant: make every weight random
+        if p.dim() > 1:
+            p.data.normal_(0.0, 0.02)
+    init_s = time.perf_counter() - t0
+    gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+               cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts, dtype=torch.long, device=dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    B = min(args.hf_batch, len(prompts))
+    with torch.inference_mode():
+        x = ids[:B]
+        model.generate(input_ids=x, attention_mask=torch.ones_like(x), **{**gen, "max_new_tokens": 4,
+                                                                          "min_new_tokens": 4})
+        sync()
+        t0 = time.perf_counter()
+        n_out, bad = 0, 0
+        for i in range(0, len(prompts), B):
+            x = ids[i : i + B]
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
+            new = out.shape[1] - x.shape[1]
+            n_out += new * x.shape[0]
+            bad += int(new != args.output_len)
+        sync()
+        wall = time.perf_counter() - t0
+    return {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+        "transformers": transformers.__version__, "hf_batch": B, "init_s": init_s, "wall_s": wall,
+        "output_tokens": n_out, "wrong_length_batches": bad, "output_tok_s": n_out / wall,
+        "total_tok_s": (n_out + args.num_prompts * args.input_len) / wall,
+        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+    }
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3_2_1b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 8192])
+    ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 256])
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=int, default=None, help="default: the engine's estimate from free memory")
+    ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", choices=["hf", "xla"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        res = run_xla(args) if args.child == "xla" else run_hf(args)
+        Path(args.child_out).write_text(json.dumps(res, indent=1))
+        return
+
+    command = "python3 scripts/bench_throughput.py " + " ".join(sys.argv[1:])
+    result = {"command": command, "commit": _commit(), "date": datetime.date.today().isoformat(),
+              "workload": {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                           "output_len": args.output_len, "greedy": True, "ignore_eos": True}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in ("xla", "hf"):
+            if side in args.skip:
+                continue
+            out = f"{tmp}/{side}.json"
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", side,
+                                "--child-out", out])
+            if p.returncode != 0 or not Path(out).exists():
+                result[side] = {"error": f"child exited with {p.returncode}"}
+            else:
+                result[side] = json.loads(Path(out).read_text())
+            result[side]["process_s"] = time.perf_counter() - t0
+            print(f"{side}: {json.dumps(result[side])}", flush=True)
+    x, h = result.get("xla", {}), result.get("hf", {})
+    if "output_tok_s" in x and "output_tok_s" in h:
+        result["ratio_output_tok_s"] = x["output_tok_s"] / h["output_tok_s"]
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    w = result["workload"]
+    print(f"\ncommit {result['commit']}  {result['date']}  {command}")
+    print(f"workload: {w['model']} bf16 random weights, {w['num_prompts']} prompts x {w['input_len']} in / "
+          f"{w['output_len']} out, greedy, ignore_eos")
+    print("| engine | device | output tok/s | total tok/s | wall s | note |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    if "output_tok_s" in x:
+        print(f"| xlaserve LLM.generate | {x['device']} | {x['output_tok_s']:,.0f} | {x['total_tok_s']:,.0f} | "
+              f"{x['wall_s']:.2f} | {x['steps']} steps, {x['preemptions']} preemptions, warmup "
+              f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s |")
+    elif "xla" in result:
+        print(f"| xlaserve | failed: {x.get('error')} |")
+    if "output_tok_s" in h:
+        print(f"| HF generate static cache, batch {h['hf_batch']} | {h['device']} | {h['output_tok_s']:,.0f} | "
+              f"{h['total_tok_s']:,.0f} | {h['wall_s']:.2f} | torch {h['torch']}, transformers "
+              f"{h['transformers']} |")
+    elif "hf" in result:
+        print(f"| HF | failed: {h.get('error')} |")
+    if "ratio_output_tok_s" in result:
+        print(f"ratio xlaserve / HF (output tok/s): {result['ratio_output_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
