@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -79,7 +81,9 @@ def copy_bandwidth(jax, jnp, n: int) -> dict:
 
 def timed_loop(call, state, *, min_rep_s: float, reps: int):
     """Median seconds per call of `state = call(state)`: warmed up, back-to-back calls per repetition,
-    blocked at the end of each repetition. Returns (seconds, state)."""
+    blocked at the end of each repetition. Returns (seconds, state, dispatch seconds): the last is the
+    median host time one call takes to return when started on an idle device; close to the step
+    time, it means the call blocks until the device has (nearly) finished."""
     import jax
 
     for _ in range(3):
@@ -97,7 +101,14 @@ def timed_loop(call, state, *, min_rep_s: float, reps: int):
             state = call(state)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times), state, iters
+    dispatch = []  # host time until the call returns, device idle before it (is the call asynchronous?)
+    for _ in range(10):
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state = call(state)
+        dispatch.append(time.perf_counter() - t0)
+    jax.block_until_ready(state)
+    return statistics.median(times), state, statistics.median(dispatch)
 
 
 def run_child(args) -> dict:
@@ -202,30 +213,31 @@ def run_child(args) -> dict:
                    "floor_s": bytes_step / bw}
             hb = make_batch(B, True)
             db = jax.device_put(hb, ex._batch_sharding)
-            measured = {}
+            measured, disp = {}, {}
             if ("model", B) in compiled:
                 exe = compiled[("model", B)]
 
                 def call(kv, exe=exe, db=db):
                     return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
 
-                measured["model"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+                measured["model"], kv, disp["model"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             exe = compiled[("step", B)]
 
             def call(kv, exe=exe, db=db):
                 return exe(loaded.params, kv, db)[2]
 
-            measured["step"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+            measured["step"], kv, disp["step"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             nb = make_batch(B, False)  # what the packer gives when no row has penalties
 
             def call(kv, nb=nb):
                 return ex(loaded.params, kv, nb)[2]
 
-            measured["executor"], kv, _ = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
+            measured["executor"], kv, disp["executor"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             for k, t in measured.items():
                 row[f"{k}_s"] = t
                 row[f"{k}_tok_s"] = B / t
                 row[f"{k}_mbu"] = bytes_step / t / bw
+                row[f"{k}_dispatch_s"] = disp[k]
             res["rows"].append(row)
             print(_fmt_row(row), flush=True)
 
@@ -265,7 +277,8 @@ def _fmt_row(r: dict) -> str:
     parts = [f"{r['model']:>12} B={r['batch']:<4}"]
     for k in ("model", "step", "executor", "engine"):
         if f"{k}_s" in r:
-            parts.append(f"{k} {r[f'{k}_s'] * 1e3:7.3f} ms {r[f'{k}_tok_s']:9.1f} tok/s {r[f'{k}_mbu']:6.1%}")
+            d = f" (returns after {r[f'{k}_dispatch_s'] * 1e3:.3f} ms)" if f"{k}_dispatch_s" in r else ""
+            parts.append(f"{k} {r[f'{k}_s'] * 1e3:7.3f} ms {r[f'{k}_tok_s']:9.1f} tok/s {r[f'{k}_mbu']:6.1%}{d}")
     return " | ".join(parts)
 
 
@@ -313,6 +326,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-engine", action="store_true", help="skip the engine.step() loop")
     ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")
+    ap.add_argument("--variant-models", nargs="+", default=None, help="models of the flag variants (default: the first)")
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -335,7 +349,8 @@ def main() -> None:
             env = os.environ.copy()
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
             print(f"\n== variant {name}: XLA_FLAGS={env['XLA_FLAGS']}", flush=True)
-            variants[name] = _run(_child_cmd(args, f"{tmp}/v{i}.json", args.models[:1], [1], [1], False), env)
+            variants[name] = _run(_child_cmd(args, f"{tmp}/v{i}.json", args.variant_models or args.models[:1], [1], [1],
+                                             args.no_engine), env)
         result["variants"] = variants
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
