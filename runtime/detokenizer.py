@@ -122,19 +122,29 @@ class PieceTable:
             return data.decode("utf-8", "replace")
         return unescape_invalid(data.decode("utf-8", "surrogateescape"))
 
+    @property
+    def special_breaks_bytes(self) -> bool:
+        """SentencePiece decodes byte-fallback runs piece by piece: a skipped control token between
+        two byte pieces ends the run (<0xC2> <s> <0x80> is two invalid bytes, not U+0080)."""
+        return self.invalid is InvalidBytes.PER_BYTE
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
+        done: list[str] = []
         first = True
         for token_id in ids:
             i = self.check_id(token_id)
             if skip_special_tokens and i in self.special_ids:
+                if self.special_breaks_bytes and out:
+                    done.append(self.bytes_to_text(bytes(out)))
+                    out.clear()
                 continue
             piece = self.pieces[i]
             if first:
                 first = False
                 piece = self.first_piece_bytes(i, piece)
             out += piece
-        text = self.bytes_to_text(bytes(out))
+        text = "".join(done) + self.bytes_to_text(bytes(out))
         if self.strip is StripMode.OUTPUT and text.startswith(" "):
             text = text[1:]
         return text
@@ -250,16 +260,20 @@ class IncrementalDetokenizer:
             raise ValueError("this detokenizer was flushed; start a new one for a new stream")
         table = self._table
         out = bytearray()
+        done: list[str] = []
         for token_id in ids:
             i = table.check_id(token_id)
             if self._skip and i in table.special_ids:
+                if table.special_breaks_bytes:  # end any pending byte run, as decode() does
+                    done.append(self._utf8.decode(bytes(out), True))
+                    out.clear()
                 continue
             piece = table.pieces[i]
             if self._first_piece:
                 self._first_piece = False
                 piece = table.first_piece_bytes(i, piece)
             out += piece
-        text = self._utf8.decode(bytes(out), final)
+        text = "".join(done) + self._utf8.decode(bytes(out), final)
         if table.invalid is InvalidBytes.PER_BYTE:
             text = unescape_invalid(text)
         if text and self._first_text:
