@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from functools import cached_property
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -118,8 +119,8 @@ class _Group:
     finished: bool = False
     first: Request | None = None  # the scheduler's state of seqs[0] (kept after it finishes)
 
-    @property
-    def max_stop_len(self) -> int:
+    @cached_property
+    def max_stop_len(self) -> int:  # read for every output of every step: computed once
         return max((len(s) for s in self.params.stop), default=0)
 
 

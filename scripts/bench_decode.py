@@ -111,6 +111,58 @@ def timed_loop(call, state, *, min_rep_s: float, reps: int):
     return statistics.median(times), state, statistics.median(dispatch)
 
 
+def profile_kernels(call, state, n: int, trace_dir: str) -> tuple[dict, object]:
+    """Trace n back-to-back calls with jax.profiler (Perfetto JSON) and sum the device kernels' time:
+    per-step busy time (union of kernel intervals), span (first kernel start to last kernel end),
+    and the kernels that take the most time, by name with numeric suffixes dropped."""
+    import glob
+    import gzip
+    import re
+
+    import jax
+
+    jax.block_until_ready(state)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(n):
+            state = call(state)
+        jax.block_until_ready(state)
+    files = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    if not files:
+        return {"error": "no perfetto_trace.json.gz written"}, state
+    ev = json.load(gzip.open(sorted(files)[-1]))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    pname = {e["pid"]: e.get("args", {}).get("name", "") for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, nm in pname.items() if "/device:" in nm or "GPU" in nm}
+    tname = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in ev
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+    streams = [e for e in ks if tname.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    threads = sorted({tname.get((e["pid"], e.get("tid")), "") for e in ks})
+    ks = streams or ks  # kernels and copies on CUDA streams, not the derived "XLA Ops"/"XLA Modules" lines
+    if not ks:
+        return {"error": "no device events", "processes": sorted(set(pname.values()))[:20]}, state
+    ks.sort(key=lambda e: e["ts"])
+    busy, cur_s, cur_e = 0.0, None, None
+    for e in ks:
+        s0, e0 = e["ts"], e["ts"] + e["dur"]
+        if cur_e is None or s0 > cur_e:
+            busy += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    busy += cur_e - cur_s
+    span = max(e["ts"] + e["dur"] for e in ks) - ks[0]["ts"]
+    by = {}
+    for e in ks:
+        k = re.sub(r"[._]\d+$", "", e["name"])[:60]
+        t, c = by.get(k, (0.0, 0))
+        by[k] = (t + e["dur"], c + 1)
+    top = sorted(by.items(), key=lambda kv: -kv[1][0])[:14]
+    return {"steps": n, "kernels_per_step": len(ks) / n, "busy_us_per_step": busy / n, "span_us_per_step": span / n,
+            "processes": sorted({pname[p] for p in gpu}), "threads": threads[:12],
+            "top": [{"name": k, "us_per_step": t / n, "count_per_step": c / n} for k, (t, c) in top]}, state
+
+
 def run_child(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -238,6 +290,30 @@ def run_child(args) -> dict:
                 row[f"{k}_tok_s"] = B / t
                 row[f"{k}_mbu"] = bytes_step / t / bw
                 row[f"{k}_dispatch_s"] = disp[k]
+            if args.profile and B == 1:
+                prof = {}
+                for k, exe in (("model", compiled.get(("model", B))), ("step", compiled[("step", B)])):
+                    if exe is None:
+                        continue
+                    if k == "model":
+                        def call(kv, exe=exe, db=db):
+                            return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
+                    else:
+                        def call(kv, exe=exe, db=db):
+                            return exe(loaded.params, kv, db)[2]
+                    try:
+                        prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_{k}")
+                    except Exception as e:  # a failed trace is a result, not a crash
+                        prof[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    p = prof[k]
+                    if "top" in p:
+                        print(f"{name} B=1 {k}: {p['kernels_per_step']:.0f} kernels/step, device busy "
+                              f"{p['busy_us_per_step']:.0f} us of {p['span_us_per_step']:.0f} us span per step", flush=True)
+                        for t in p["top"]:
+                            print(f"    {t['us_per_step']:8.1f} us  x{t['count_per_step']:5.1f}  {t['name']}", flush=True)
+                    else:
+                        print(f"{name} B=1 {k} profile: {p}", flush=True)
+                row["profile"] = prof
             res["rows"].append(row)
             print(_fmt_row(row), flush=True)
 
@@ -301,6 +377,8 @@ def _child_cmd(args, out: str, models, batches, model_batches, no_engine: bool) 
            "--batches", *map(str, batches), "--model-batches", *map(str, model_batches), "--ctx", str(args.ctx),
            "--steps", str(args.steps), "--page-size", str(args.page_size), "--copy-elems", str(args.copy_elems),
            "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps)]
+    if args.profile and out.endswith("main.json"):
+        cmd += ["--profile", args.profile]
     return cmd + (["--no-engine"] if no_engine else [])
 
 
@@ -325,6 +403,8 @@ def main() -> None:
     ap.add_argument("--min-rep-s", type=float, default=0.2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-engine", action="store_true", help="skip the engine.step() loop")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also trace 20 batch-1 steps (model and step) with jax.profiler into DIR and list the kernels")
     ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")
     ap.add_argument("--variant-models", nargs="+", default=None, help="models of the flag variants (default: the first)")
     ap.add_argument("--out", default=None, help="JSON results")
