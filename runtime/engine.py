@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from functools import cached_property
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Sequence
 
 import jax
