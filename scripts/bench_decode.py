@@ -46,37 +46,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchlib import copy_bandwidth, git_commit  # noqa: E402
 
-def _commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except OSError:
-        return "unknown"
+
 
 
 # ------------------------------------------------------------------------------------------ child side
 
 
-def copy_bandwidth(jax, jnp, n: int) -> dict:
-    """Bytes read + written per second by a large jitted elementwise op (x * 2 over n f32)."""
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda a: a * 2.0)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 10)
-    del x, y
-    t = statistics.median(times)
-    return {"copy_bytes_per_s": 2 * n * 4 / t, "copy_bytes": 2 * n * 4, "copy_s": t}
 
 
 def timed_loop(call, state, *, min_rep_s: float, reps: int):
@@ -176,7 +153,7 @@ def run_child(args) -> dict:
     dev = jax.devices()[0]
     res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "ctx": args.ctx, "rows": [], "models": {}}
-    res.update(copy_bandwidth(jax, jnp, args.copy_elems))
+    res.update(copy_bandwidth(args.copy_elems))
     bw = res["copy_bytes_per_s"]
     print(f"[{res['device']}] copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
 
@@ -418,7 +395,7 @@ def main() -> None:
         return
 
     command = "python3 scripts/bench_decode.py " + " ".join(sys.argv[1:])
-    result = {"command": command, "commit": _commit(), "date": datetime.date.today().isoformat()}
+    result = {"command": command, "commit": git_commit(), "date": datetime.date.today().isoformat()}
     with tempfile.TemporaryDirectory() as tmp:
         main_res = _run(_child_cmd(args, f"{tmp}/main.json", args.models, args.batches, args.model_batches,
                                    args.no_engine), os.environ.copy())

@@ -19,11 +19,11 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
+
+from benchlib import git_commit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -232,12 +232,6 @@ def _fmt_prefill_row(r: dict) -> str:
             f"({frac} of matmul)  rel_err {err}")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL, cwd=Path(__file__).parent).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("XLASERVE_COMMIT", "unknown")
 
 
 def main(argv=None):
@@ -249,7 +243,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
-    result = {"device": dev.device_kind, "jax": jax.__version__, "commit": _commit(),
+    result = {"device": dev.device_kind, "jax": jax.__version__, "commit": git_commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python3", "scripts/bench_kernels.py", *(argv if argv is not None else sys.argv[1:])])}
     print(f"{result['device']}  jax {result['jax']}  commit {result['commit']}", flush=True)

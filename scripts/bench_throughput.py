@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchlib import git_commit  # noqa: E402
+
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     import numpy as np
@@ -158,16 +160,6 @@ def run_hf(args) -> dict:
     }
 
 
-def _commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:
@@ -195,7 +187,7 @@ def main() -> None:
         return
 
     command = "python3 scripts/bench_throughput.py " + " ".join(sys.argv[1:])
-    result = {"command": command, "commit": _commit(), "date": datetime.date.today().isoformat(),
+    result = {"command": command, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "workload": {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "greedy": True, "ignore_eos": True}}
     with tempfile.TemporaryDirectory() as tmp:

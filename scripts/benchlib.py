@@ -1,0 +1,45 @@
+"""What every benchmark script records: the commit a result belongs to and the device's copy ceiling."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    """Short HEAD (+dirty), or $BENCH_COMMIT: the device machine's copy of the tree has no .git."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def copy_bandwidth(n: int = 1 << 28) -> dict:
+    """Bytes read + written per second by a large jitted elementwise op (x * 2 over n f32): the
+    memory ceiling MBU is quoted against. Median of 7 runs of 10 back-to-back calls."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / 10)
+    del x, y
+    t = statistics.median(times)
+    return {"copy_bytes_per_s": 2 * n * 4 / t, "copy_bytes": 2 * n * 4, "copy_s": t}
