@@ -90,6 +90,7 @@ def main(argv=None) -> dict:
         ap.error(f"--context {args.context} must be a multiple of --page-size {args.page_size}")
 
     t0 = time.perf_counter()
+    commit = git_commit()  # at start: the tree may move during a long run
     loaded = load_model(args.model, dtype=args.dtype, progress=False)
     cfg = loaded.config
     if args.context > cfg.max_position_embeddings:
@@ -152,7 +153,7 @@ def main(argv=None) -> dict:
         "context": C, "stride": args.stride, "windows": len(plan),
         "nll_per_token": nll_sum / scored, "perplexity": math.exp(nll_sum / scored),
         "wall_s": round(wall, 1), "eval_s": round(eval_s, 1), "first_window_s": round(t_first or 0.0, 1),
-        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "commit": git_commit(),
+        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
     }
