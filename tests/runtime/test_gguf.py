@@ -361,8 +361,7 @@ def smollm2():
     return path, tok, hf, load_model(path, dtype="float32", progress=False)
 
 
-# ~100 s on 2 CPU cores, most of it HF's GGUF dequantization and the 30-layer HF reference
-@pytest.mark.slow
+# ~30 s together on 2 quiet CPU cores (most of it HF's GGUF loading), so not marked slow
 def test_smollm2_config(smollm2):
     path, _, _, loaded = smollm2
     c = loaded.config
@@ -373,7 +372,6 @@ def test_smollm2_config(smollm2):
     assert loaded.tokenizer_path == path
 
 
-@pytest.mark.slow
 def test_smollm2_greedy_and_logits_vs_hf(smollm2):
     _, tok, hf, loaded = smollm2
     prompt = tok(PROMPT)["input_ids"]
