@@ -31,16 +31,8 @@ def _precision(dtype):
 
 
 def _matmul(x, w, precision, preferred_element_type=None):
-    """x [T, K] @ w [K, N], the one form every projection takes.
-
-    With T = 1, XLA's GPU simplifier rewrites a vector-matrix dot whose matrix has fewer than 10M
-    elements into a multiply that writes a weight-sized product, then a reduction: three times the
-    weight traffic. Two rows keep it a GEMM: batch-1 decode of llama3_2_1b went from 1.57 to 1.04 ms
-    per step on an H200 (docs/benchmarks.md). The extra zero row costs nothing measurable."""
-    kw = dict(precision=precision, preferred_element_type=preferred_element_type)
-    if x.shape[0] == 1:
-        return jnp.matmul(jnp.concatenate([x, jnp.zeros_like(x)]), w, **kw)[:1]
-    return jnp.matmul(x, w, **kw)
+    """x [T, K] @ w [K, N]: every projection is a plain 2-D matmul (see LlamaModel for T = 1)."""
+    return jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
@@ -161,6 +153,16 @@ class LlamaModel(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # f32[T or R, V], kv_pages
         if len(kv_pages) != self.cfg.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers; the model has {self.cfg.num_layers}")
+        if tokens.shape[0] == 1:
+            # With one row, XLA's GPU simplifier rewrites each vector-matrix dot whose matrix has
+            # fewer than 10M elements into a multiply that writes a weight-sized product, then a
+            # reduction: three times the weight traffic. A second, padding token (past
+            # cu_q_lens[num_seqs], so attention and the KV writer ignore it) keeps every
+            # projection a GEMM: batch-1 decode of llama3_2_1b 1.57 -> ~0.95 ms per step on an H200
+            # (docs/benchmarks.md).
+            tokens, positions = jnp.pad(tokens, (0, 1)), jnp.pad(positions, (0, 1))
+            if logits_indices is None:
+                logits_indices = jnp.zeros((1,), jnp.int32)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(self.cfg))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
