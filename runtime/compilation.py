@@ -1,11 +1,13 @@
-"""The bucket table, AOT warmup of the step for every bucket, and compile accounting.
+"""The bucket table, AOT warmup of the step programs, and compile accounting.
 
-Only (token bucket T, seq bucket S) pairs from the table are ever compiled. A pair is reachable
-when some step with n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S
-bucket (the previous bucket + 1) is <= T; unreachable pairs are skipped.
+The programs of one step (runtime/step.py, runtime/sampling.py): the model program, compiled per
+(token bucket T, seq bucket S) pair of the table, and the sampler programs (penalize, pick,
+pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some step with
+n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S bucket (the previous
+bucket + 1) is <= T; unreachable pairs are skipped.
 
-Warmup lowers every reachable pair (tracing is Python, sequential) and compiles them ahead of time
-(XLA compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
+Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
+compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
 executables. Serving calls those executables directly, so a batch outside the table cannot
 silently compile: `StepExecutor.__call__` raises `CompileAfterWarmupError` under strict mode, and
 otherwise compiles it, counts it and logs an alert. A `CompileWatcher` also counts every XLA
@@ -28,6 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
+
+from runtime.sampling import run_sampler, sampler_programs
+from runtime.step import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -114,98 +119,120 @@ def replicated(mesh) -> NamedSharding:
 
 
 class StepExecutor:
-    """The compiled step for every bucket of a table, called with host (numpy) batches."""
+    """The compiled programs of a bucket table, called with host (numpy) PackedBatches: the model
+    program per (T, S) pair, the sampler programs (runtime/sampling.py) per seq bucket S."""
 
     def __init__(
         self,
-        step_fn: Callable,  # step(params, kv_pages, batch) -> (tokens, logprobs, kv_pages)
+        model_fn: Callable,  # model(params, kv_pages, flat, rows, layout) -> (logits, greedy tokens, kv_pages)
         *,
         params,
         kv_pages,
         mesh,
         table: BucketTable,
-        empty_batch: Callable[[int, int], object],  # (T, S) -> numpy StepBatch of that bucket
+        empty_batch: Callable[[int, int], PackedBatch],  # (T, S) -> all-padding batch of that bucket
+        vocab_size: int,
+        max_logprobs: int,
         strict: bool,
     ):
         self.table = table
         self.strict = strict
         self._empty_batch = empty_batch
+        self._vocab_size = vocab_size
         self._batch_sharding = replicated(mesh)
         kv_sharding = tuple(x.sharding for x in kv_pages)
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        self._jitted = jax.jit(
-            step_fn,
+        rep = self._batch_sharding
+        self._model = jax.jit(
+            model_fn,
             donate_argnums=(1,),
-            in_shardings=(param_shardings, kv_sharding, self._batch_sharding),
-            out_shardings=(self._batch_sharding, self._batch_sharding, kv_sharding),
+            static_argnums=(4,),  # layout
+            in_shardings=(param_shardings, kv_sharding, rep, rep),
+            out_shardings=(rep, rep, kv_sharding),
         )
+        self._samplers = {
+            name: (jax.jit(p.fn, out_shardings=rep), p.args) for name, p in sampler_programs(max_logprobs).items()
+        }
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
         self._abstract_kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in kv_pages)
-        self._executables: dict[tuple[int, int], object] = {}
-        self._no_history: dict[int, jax.Array] = {}  # S -> device-resident all -1 i32[S, W]
+        # ("model", T, S) or (sampler program name, S) -> Compiled
+        self._executables: dict[tuple, object] = {}
         self.warmed_up = False
         self.num_warmup_compiles = 0
         self.num_compiles_after_warmup = 0
         self.warmup_seconds = 0.0
 
-    def _lower(self, T: int, S: int):
-        batch = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding), self._empty_batch(T, S)
-        )
-        return self._jitted.lower(self._abstract_params, self._abstract_kv, batch)
+    def program_keys(self) -> list[tuple]:
+        """Every program of the table: the model program per (T, S) pair, then the sampler programs
+        per seq bucket."""
+        keys = [("model", T, S) for T, S in self.table.pairs()]
+        seq_buckets = sorted({S for _, S in self.table.pairs()})
+        return keys + [(name, S) for S in seq_buckets for name in self._samplers]
+
+    def _abstract(self, a) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding)
+
+    def _lower(self, key: tuple):
+        if key[0] == "model":
+            _, T, S = key
+            b = self._empty_batch(T, S)
+            return self._model.lower(self._abstract_params, self._abstract_kv, self._abstract(b.flat),
+                                     self._abstract(b.rows), b.layout)
+        name, S = key
+        b = self._empty_batch(next(T for T, s in self.table.pairs() if s == S), S)
+        shapes = dict(logits=np.zeros((S, self._vocab_size), np.float32), rows=b.rows, history=b.history,
+                      tokens=np.zeros(S, np.int32))
+        fn, args = self._samplers[name]
+        return fn.lower(*(self._abstract(shapes[a]) for a in args))
 
     def warmup(self, *, progress: bool = True) -> None:
-        pairs = [p for p in self.table.pairs() if p not in self._executables]
+        keys = [k for k in self.program_keys() if k not in self._executables]
         t0 = time.perf_counter()
-        bar = tqdm(total=len(pairs), desc="compiling step buckets", unit="bucket", disable=not progress)
+        bar = tqdm(total=len(keys), desc="compiling step programs", unit="program", disable=not progress)
         # XLA's CPU compiler already uses several threads: on a 2-core machine two compiles at once
         # ran slower than one after the other, so only hosts with cores to spare compile in parallel.
-        workers = max(1, min(4, (os.cpu_count() or 1) // 4, len(pairs)))
+        workers = max(1, min(4, (os.cpu_count() or 1) // 4, len(keys)))
         with ThreadPoolExecutor(workers) as pool:
             futures = []
-            for T, S in pairs:
-                lowered = self._lower(T, S)  # tracing holds the GIL: one at a time
-                futures.append(((T, S), pool.submit(lowered.compile)))
+            for key in keys:
+                lowered = self._lower(key)  # tracing holds the GIL: one at a time
+                futures.append((key, pool.submit(lowered.compile)))
             for key, fut in futures:
                 self._executables[key] = fut.result()
                 bar.update(1)
         bar.close()
-        self.num_warmup_compiles += len(pairs)
+        self.num_warmup_compiles += len(keys)
         self.warmup_seconds += time.perf_counter() - t0
         self.warmed_up = True
 
-    def _executable(self, T: int, S: int):
-        exe = self._executables.get((T, S))
+    def _executable(self, key: tuple):
+        exe = self._executables.get(key)
         if exe is not None:
             return exe
         if self.warmed_up:
-            msg = f"step bucket (T={T}, S={S}) was not compiled at warmup; compiling it now while serving"
+            what = f"model program (T={key[1]}, S={key[2]})" if key[0] == "model" else f"{key[0]} program (S={key[1]})"
+            msg = f"{what} was not compiled at warmup; compiling it now while serving"
             if self.strict:
                 raise CompileAfterWarmupError(msg)
             logger.error("ALERT: %s", msg)
             self.num_compiles_after_warmup += 1
-        exe = self._executables[(T, S)] = self._lower(T, S).compile()
+        exe = self._executables[key] = self._lower(key).compile()
         return exe
 
-    def __call__(self, params, kv_pages, batch):
-        """Dispatch one step (asynchronously: the results are futures until read)."""
-        T = batch.tokens.shape[0]
-        S = batch.logits_indices.shape[0]
-        exe = self._executable(T, S)
-        if batch.sampling.history is None:  # no row has penalties: reuse a device constant
-            hist = self._no_history.get(S)
-            if hist is None:
-                full = self._empty_batch(T, S).sampling.history
-                hist = self._no_history[S] = jax.device_put(full, self._batch_sharding)
-            batch = batch._replace(sampling=batch.sampling._replace(history=hist))
-        dev_batch = jax.device_put(batch, self._batch_sharding)
-        return exe(params, kv_pages, dev_batch)
+    def __call__(self, params, kv_pages, batch: PackedBatch):
+        """Dispatch one step: the model program, then the sampler programs `batch.needs` asks for
+        (runtime/sampling.py). Asynchronous: returns (tokens i32[S], Logprobs or None when no row
+        asked, kv_pages) as futures at once."""
+        T, S = batch.layout.T, batch.layout.S
+        model = self._executable(("model", T, S))
+        host = (batch.flat, batch.rows, batch.history) if batch.needs.penalties else (batch.flat, batch.rows)
+        flat, rows, *history = jax.device_put(host, self._batch_sharding)
+        logits, greedy, kv_pages = model(params, kv_pages, flat, rows)
+        tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy, rows,
+                                       history[0] if history else None, batch.needs)
+        return tokens, logprobs, kv_pages
 
     @property
     def compiled_buckets(self) -> list[tuple[int, int]]:
-        return sorted(self._executables)
-
-
-def host_tokens(tokens, n: int) -> np.ndarray:
-    """The first n sampled tokens on the host (blocks until the step has run)."""
-    return np.asarray(tokens)[:n]
+        """The (T, S) buckets whose model program is compiled."""
+        return sorted((k[1], k[2]) for k in self._executables if k[0] == "model")

@@ -5,14 +5,18 @@ One `step()` call (H = host, D = device):
     H  finish step k-1: wait for its sampled tokens, scheduler.update_from_output, append them to
        the penalty histories (the next pack reads them)
     H  plan step k (scheduler.step), fork n > 1 requests whose prompt completes in it, pack the
-       plan into numpy arrays, dispatch the compiled step          -> D runs step k
+       plan into numpy arrays, dispatch the step's programs         -> D runs step k
     H  while D runs step k: emit the outputs of step k-1 (incremental detokenization, stop-string
        matching, RequestOutput objects) and return them; the caller's own work (the async engine
        pushing outputs into asyncio queues and taking in new requests and cancellations,
        LLM.generate's progress bar) also runs while D computes step k.
 
 JAX dispatch is asynchronous, so "dispatch" returns futures at once; the next step() blocks on
-them. What is not overlapped: update, scheduling and packing of step k+1 need step k's tokens
+them. That holds only because the step programs never make the host wait for the device: no
+`lax.cond` on device values (XLA's GPU runtime copies a cond's predicate to the host and waits for
+it), no data-dependent loops. Which sampling work runs is chosen on the host, by the packer, as
+a choice of programs (runtime/sampling.py): a greedy step is one dispatch, the model program.
+What is not overlapped: update, scheduling and packing of step k+1 need step k's tokens
 (the scheduler decides stops and page needs from them), so the device idles for that host time.
 
 A stop string is matched one step late (after step k was dispatched): the request then wastes
@@ -44,7 +48,7 @@ from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
 from runtime.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams, validate_prompt
 from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
-from runtime.step import BatchPacker, SeqSampling, make_step_fn
+from runtime.step import BatchPacker, SeqSampling, make_model_fn
 from sharding.mesh import mesh_axis_size
 from sharding.rules import kv_cache_sharding
 
@@ -173,9 +177,9 @@ class Engine:
             select_bucket=self.buckets.select,
         )
         self.executor = StepExecutor(
-            make_step_fn(model.forward, max_logprobs=config.max_logprobs),
-            params=model.params, kv_pages=self.kv_pages, mesh=model.mesh, table=self.buckets,
-            empty_batch=self.packer.empty, strict=config.strict_compile,
+            make_model_fn(model.forward), params=model.params, kv_pages=self.kv_pages, mesh=model.mesh,
+            table=self.buckets, empty_batch=self.packer.empty, vocab_size=cfg.vocab_size,
+            max_logprobs=config.max_logprobs, strict=config.strict_compile,
         )
         self._watcher = CompileWatcher()
         self._watcher.open()
@@ -184,7 +188,7 @@ class Engine:
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
         self._sid_counter = itertools.count()
-        self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs (futures)
+        self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs or None (futures)
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
@@ -193,7 +197,7 @@ class Engine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile the step for every bucket (progress bar); compiles after this are counted."""
+        """Compile the step programs of every bucket (progress bar); compiles after this are counted."""
         self.executor.warmup(progress=self.config.progress)
         self._compiles_seen = self._watcher.count
 
@@ -333,8 +337,7 @@ class Engine:
         sampled = np.asarray(tokens)[:n]  # blocks until the device has run the step
         rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
         lp = None
-        if any(s.sample and s.request_id in self._seqs and self._seqs[s.request_id].logprobs is not None
-               for s in plan.seqs):
+        if logprobs is not None:  # some row asked (the step ran the logprobs program)
             lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
                   np.asarray(logprobs.top_logprobs)[:n])
         for u in self.scheduler.update_from_output(plan, sampled):

@@ -1,4 +1,4 @@
-"""Sampling inside the jitted step: one row per sequence, every shape fixed by the bucket.
+"""Sampling as a few small programs per seq bucket, chosen on the host: one row per sequence.
 
 Per row, in order (HF's logits-processor order):
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
@@ -9,17 +9,39 @@ Per row, in order (HF's logits-processor order):
   4. temperature, then top-k, top-p (over the top-k renormalized distribution), min-p (relative to
      the most likely token left), then one draw with the Gumbel-max trick.
 
-Exactness across batch compositions (a request's tokens may not depend on its neighbours):
+Programs, not branches. Work that only some rows need (penalty counts, the sort, noise, logprobs)
+is skipped when no row of the batch needs it. A `lax.cond` on a device predicate would decide
+that on the device, but XLA's GPU runtime copies every cond predicate to the host and waits for
+it, so the host call of the step would return only when the device has nearly finished it and the
+engine's host work could not overlap the device. The packer already knows which rows need what
+(`SamplingNeeds`), so the choice is made on the host, between separately compiled programs, and
+every dispatch returns at once:
+
+    model program (runtime/step.py)  forward -> raw logits f32[S, V] and `greedy` tokens
+    penalize       -> penalized logits and their `greedy` tokens      when some row has penalties
+    pick           -> tokens: random rows drawn, greedy rows argmax    when some row is random
+    pick_filtered  -> the same with top-k/top-p/min-p cutoffs          when some random row filters
+    logprobs       -> of the raw logits, for the final tokens          when some row asked
+
+A plain greedy step is the model program alone. Four sampler programs per seq bucket (the two
+pick variants because the sort is most of the sampler's work; folding penalties or logprobs into
+variants instead would multiply the programs to compile).
+
+Exactness across batch compositions (a request's tokens may not depend on its neighbours, nor on
+which programs its neighbours made the step run):
+  * Neutral settings are exact identities (x - 0 * n, x / 1, a cutoff at the row's minimum), so a
+    row that does not need a program's work gets bit-identical values out of it; a greedy row
+    takes the argmax of the same masked logits in every program that emits tokens.
   * Noise comes from key(seed) folded with the position of the token being sampled, never from
     the batch slot or the step, so a request sampled alone, in a batch, or recomputed after a
     preemption draws the same noise. Noise is generated in vocabulary order.
   * The filters never reorder anything in vocabulary space: they reduce to one cutoff logit per
     row (they all keep a prefix of the sorted order), then `logit >= cutoff` masks the row. Ties
     at the cutoff are all kept, which is deterministic.
-  * Work that only some rows need (penalty counts, the sort, noise, logprobs) sits behind a
-    `lax.cond` on "does any row need it". A row that does not need it computes bit-identical
-    values on either branch (the neutral settings are exact identities), so whether a neighbour
-    triggered the branch cannot change the row.
+
+Per-row inputs travel as one i32[S, K] `rows` buffer (f32 and u32 fields as their bit patterns),
+so a step ships one array for sampling rather than one per field; `sampling_rows` names its
+columns, as numpy views on the host and as static slices inside a program.
 
 Logprobs are of the model's raw distribution (log_softmax of the logits, before penalties and
 temperature), as vLLM returns by default: the sampled token's, plus the top `max_logprobs`.
@@ -27,7 +49,9 @@ temperature), as vLLM returns by default: the sampled token's, plus the top `max
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +59,7 @@ import numpy as np
 
 
 class SamplingBatch(NamedTuple):
-    """Per-row sampling inputs. Padding rows carry the neutral values of `neutral_rows`."""
+    """Per-row sampling inputs: the named columns of a rows buffer. Padding rows are neutral."""
 
     temperature: jax.Array  # f32[S]: 0 = greedy
     top_k: jax.Array  # i32[S]: 0 = off
@@ -46,40 +70,71 @@ class SamplingBatch(NamedTuple):
     frequency_penalty: jax.Array  # f32[S]: 0 = off
     seeds: jax.Array  # u32[S, 2]: the request's 64-bit seed as (low, high) words
     positions: jax.Array  # i32[S]: position of the token being sampled (its index in the sequence)
-    history: jax.Array  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded (host: None = all -1)
     num_prompt: jax.Array  # i32[S]: history[:num_prompt] is prompt, the rest output
     banned: jax.Array  # i32[S, NB]: ids to ban now (min_tokens), -1 padded
-    want_logprobs: jax.Array  # bool[S]
 
 
-class SampleOutput(NamedTuple):
-    tokens: jax.Array  # i32[S]
-    logprobs: Logprobs
+# (field, dtype, columns) of a rows buffer, in SamplingBatch order; `banned` takes the rest.
+_COLUMNS = (
+    ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("min_p", np.float32, 1),
+    ("repetition_penalty", np.float32, 1), ("presence_penalty", np.float32, 1),
+    ("frequency_penalty", np.float32, 1), ("seeds", np.uint32, 2), ("positions", np.int32, 1),
+    ("num_prompt", np.int32, 1),
+)
+_FIXED_COLUMNS = sum(n for _, _, n in _COLUMNS)
+_NEUTRAL = dict(top_p=1.0, repetition_penalty=1.0, banned=-1)  # all other fields: 0
+
+
+def _bitcast(x, dtype):
+    if isinstance(x, np.ndarray):
+        return x.view(dtype)  # a view: writes land in the rows buffer
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def sampling_rows(rows) -> SamplingBatch:
+    """The named columns of rows i32[S, K]: numpy views of a host buffer, or slices in a program."""
+    out, c = [], 0
+    for _, dtype, n in _COLUMNS:
+        out.append(_bitcast(rows[:, c] if n == 1 else rows[:, c : c + n], dtype))
+        c += n
+    return SamplingBatch(*out, banned=rows[:, c:])
+
+
+def empty_rows(S: int, max_banned: int) -> np.ndarray:
+    """A host rows buffer i32[S, K] of S neutral (greedy, no penalties) rows."""
+    rows = np.zeros((S, _FIXED_COLUMNS + max_banned), np.int32)
+    view = sampling_rows(rows)
+    for name, value in _NEUTRAL.items():
+        getattr(view, name)[...] = value
+    return rows
+
+
+@dataclass(frozen=True)
+class SamplingNeeds:
+    """What the rows of one step need beyond greedy decoding; the packer decides it on the host."""
+
+    penalties: bool = False  # some row has a repetition/presence/frequency penalty
+    random: bool = False  # some row has temperature > 0
+    filters: bool = False  # some random row has top-k, top-p or min-p
+    logprobs: bool = False  # some row asked for logprobs
+
+    @classmethod
+    def of(cls, b: SamplingBatch, *, logprobs: bool) -> SamplingNeeds:
+        """What the (numpy) rows b need: a setting counts when it is not its neutral value."""
+        random = b.temperature > 0.0
+        penalized = (b.repetition_penalty != 1.0) | (b.presence_penalty != 0.0) | (b.frequency_penalty != 0.0)
+        return cls(
+            penalties=bool(penalized.any()),
+            random=bool(random.any()),
+            filters=bool((random & ((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))).any()),
+            logprobs=logprobs,
+        )
 
 
 class Logprobs(NamedTuple):
-    sampled: jax.Array  # f32[S]: logprob of the sampled token (0 when no row asked)
+    sampled: jax.Array  # f32[S]: logprob of the sampled token
     top_ids: jax.Array  # i32[S, M]
     top_logprobs: jax.Array  # f32[S, M]
-
-
-def empty_sampling_batch(S: int, history_len: int, max_banned: int) -> SamplingBatch:
-    """Host-side numpy arrays for S neutral (greedy, no penalties, no logprobs) rows."""
-    return SamplingBatch(
-        temperature=np.zeros(S, np.float32),
-        top_k=np.zeros(S, np.int32),
-        top_p=np.ones(S, np.float32),
-        min_p=np.zeros(S, np.float32),
-        repetition_penalty=np.ones(S, np.float32),
-        presence_penalty=np.zeros(S, np.float32),
-        frequency_penalty=np.zeros(S, np.float32),
-        seeds=np.zeros((S, 2), np.uint32),
-        positions=np.zeros(S, np.int32),
-        history=np.full((S, history_len), -1, np.int32),
-        num_prompt=np.zeros(S, np.int32),
-        banned=np.full((S, max_banned), -1, np.int32),
-        want_logprobs=np.zeros(S, np.bool_),
-    )
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -104,13 +159,25 @@ def _scatter_rows(shape, ids: jax.Array, values: jax.Array, dtype) -> jax.Array:
     return jnp.zeros(shape, dtype).at[rows, cols].add(values.astype(dtype), mode="drop")
 
 
-def apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:  # f32[S, V] -> f32[S, V]
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32[S, NB] -> f32[S, V]
     S, V = logits.shape
-    W = b.history.shape[1]
-    valid = b.history >= 0
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], banned.shape)
+    return logits.at[rows, jnp.where(banned < 0, V, banned)].set(-jnp.inf, mode="drop")
+
+
+def greedy(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32[S, NB] -> i32[S]
+    """The argmax of each row with its banned ids masked: every greedy row's token."""
+    return jnp.argmax(_ban(logits, banned), axis=-1).astype(jnp.int32)
+
+
+def apply_penalties(logits: jax.Array, b: SamplingBatch, history: jax.Array) -> jax.Array:
+    """logits f32[S, V], history i32[S, W] (prompt + output ids, -1 padded) -> f32[S, V]."""
+    S, V = logits.shape
+    W = history.shape[1]
+    valid = history >= 0
     is_out = jnp.arange(W, dtype=jnp.int32)[None, :] >= b.num_prompt[:, None]
-    out_counts = _scatter_rows((S, V), b.history, valid & is_out, jnp.float32)  # f32[S, V]
-    seen = _scatter_rows((S, V), b.history, valid, jnp.int32) > 0  # bool[S, V]
+    out_counts = _scatter_rows((S, V), history, valid & is_out, jnp.float32)  # f32[S, V]
+    seen = _scatter_rows((S, V), history, valid, jnp.int32) > 0  # bool[S, V]
     rp = b.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     return (
@@ -136,48 +203,66 @@ def _cutoffs(scaled: jax.Array, b: SamplingBatch) -> jax.Array:  # f32[S, V] -> 
     return jnp.take_along_axis(srt, n_keep - 1, axis=-1)
 
 
-def sample(logits: jax.Array, b: SamplingBatch, *, max_logprobs: int) -> SampleOutput:
-    """logits f32[S, V] -> tokens i32[S] and their logprobs (see the module docstring)."""
+# -- the sampler programs: arrays in, arrays out; rows i32[S, K] as built by `empty_rows` --------
+
+
+def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32[S, V], i32[S, K], i32[S, W] -> penalized logits f32[S, V] and their greedy tokens i32[S]."""
+    b = sampling_rows(rows)
+    logits = apply_penalties(logits, b, history)
+    return logits, greedy(logits, b.banned)
+
+
+def pick(logits: jax.Array, rows: jax.Array, *, filters: bool) -> jax.Array:
+    """f32[S, V], i32[S, K] -> tokens i32[S]: random rows drawn, greedy rows their argmax. Without
+    `filters` every row keeps its whole distribution (top-k, top-p and min-p must be off)."""
     S, V = logits.shape
-    logits = logits.astype(jnp.float32)
-    raw = logits
-
-    penalized = (b.repetition_penalty != 1.0) | (b.presence_penalty != 0.0) | (b.frequency_penalty != 0.0)
-    logits = jax.lax.cond(jnp.any(penalized), lambda x: apply_penalties(x, b), lambda x: x, logits)
-    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], b.banned.shape)
-    logits = logits.at[rows, jnp.where(b.banned < 0, V, b.banned)].set(-jnp.inf, mode="drop")
-
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    b = sampling_rows(rows)
+    logits = _ban(logits, b.banned)
     is_random = b.temperature > 0.0
+    scaled = logits / jnp.where(is_random, b.temperature, 1.0)[:, None]
+    if filters:
+        scaled = jnp.where(scaled >= _cutoffs(scaled, b), scaled, -jnp.inf)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))
+    drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
-    def draw(x):
-        scaled = x / jnp.where(is_random, b.temperature, 1.0)[:, None]
-        filtered = (b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0)
-        cutoff = jax.lax.cond(
-            jnp.any(filtered & is_random),
-            lambda s: _cutoffs(s, b),
-            lambda s: jnp.full((S, 1), -jnp.inf, jnp.float32),
-            scaled,
-        )
-        masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))
-        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)
 
-    random_tokens = jax.lax.cond(jnp.any(is_random), draw, lambda x: greedy_tokens, logits)
-    tokens = jnp.where(is_random, random_tokens, greedy_tokens)
+def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logprobs:
+    """Raw logits f32[S, V], tokens i32[S] -> the tokens' logprobs and the top max_logprobs."""
+    S = logits.shape[0]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    sampled = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if max_logprobs == 0:
+        return Logprobs(sampled, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
+    top_lp, top_ids = jax.lax.top_k(lp, max_logprobs)
+    return Logprobs(sampled, top_ids.astype(jnp.int32), top_lp)
 
-    M = max_logprobs
 
-    def logprobs(x):
-        lp = jax.nn.log_softmax(x, axis=-1)
-        sampled = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        if M == 0:
-            return Logprobs(sampled, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
-        top_lp, top_ids = jax.lax.top_k(lp, M)
-        return Logprobs(sampled, top_ids.astype(jnp.int32), top_lp)
+class SamplerProgram(NamedTuple):
+    fn: Callable
+    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[S]
 
-    def no_logprobs(x):
-        return Logprobs(jnp.zeros((S,), jnp.float32), jnp.zeros((S, M), jnp.int32), jnp.zeros((S, M), jnp.float32))
 
-    lps = jax.lax.cond(jnp.any(b.want_logprobs), logprobs, no_logprobs, raw)
-    return SampleOutput(tokens, lps)
+@functools.cache
+def sampler_programs(max_logprobs: int) -> dict[str, SamplerProgram]:
+    """The sampler programs by name. Cached: JAX caches traces and executables per function object,
+    so engines in one process compile each shape once between them."""
+    return {
+        "penalize": SamplerProgram(penalize, ("logits", "rows", "history")),
+        "pick": SamplerProgram(functools.partial(pick, filters=False), ("logits", "rows")),
+        "pick_filtered": SamplerProgram(functools.partial(pick, filters=True), ("logits", "rows")),
+        "logprobs": SamplerProgram(functools.partial(logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
+    }
+
+
+def run_sampler(call: Callable, logits, greedy_tokens, rows, history, needs: SamplingNeeds):
+    """The sampler programs one step needs, in order: `call(name, *args)` runs program `name`.
+    logits: the model's raw f32[S, V]; greedy_tokens: i32[S], `greedy` of them; history: i32[S, W]
+    (None unless needs.penalties). -> (tokens i32[S], Logprobs or None when no row asked)."""
+    x, tokens = logits, greedy_tokens
+    if needs.penalties:
+        x, tokens = call("penalize", logits, rows, history)
+    if needs.random:
+        tokens = call("pick_filtered" if needs.filters else "pick", x, rows)
+    return tokens, call("logprobs", logits, tokens) if needs.logprobs else None

@@ -1,4 +1,4 @@
-"""StepPlan -> fixed-shape arrays -> one jitted `step(params, kv_pages, batch)`.
+"""StepPlan -> two flat arrays -> the model program of a bucket (then the sampler programs).
 
 The packer lays a plan out as the ragged paged attention kernel reads it (models/attention.py):
 a flat buffer of T tokens (T a token bucket), sequences in plan order (decodes first), then S
@@ -6,6 +6,13 @@ slots of metadata (S a seq bucket). Entries past the plan are padding: tokens 0 
 kv_len 0, page 0, cu_q_lens repeating the end offset, neutral sampling rows. The attention
 reference and the KV writer ignore everything at or past cu_q_lens[num_seqs], so padding is never
 computed into real outputs; the tokens sampled for padding rows are ignored by the engine.
+
+Every host->device copy is a transfer of its own, so a step ships few arrays: all StepBatch
+fields end to end in one i32 buffer (`StepLayout`), all sampling fields in one i32[S, K] rows
+buffer (runtime/sampling.py; apart from the model buffer because the sampler programs are
+compiled per seq bucket, not per (T, S)), and the [S, W] penalty history only when some row has
+penalties. The programs unpack them with static slices. The packer also records which sampler
+programs the step needs (`SamplingNeeds`): it knows every row's settings.
 
 Logits are computed only for the last token of each sequence (`logits_indices`), one row per
 slot, so the LM head and the sampler run on [S, V] rather than [T, V].
@@ -17,46 +24,94 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import Logprobs, SamplingBatch, empty_sampling_batch, sample, split_seed
+from runtime.sampling import SamplingBatch, SamplingNeeds, empty_rows, greedy, sampling_rows, split_seed
 from runtime.scheduler import StepPlan
 
 
 class StepBatch(NamedTuple):
+    """The model's inputs for one bucket (the sampling rows travel separately: runtime/sampling.py)."""
+
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     attn: AttentionMetadata  # kv_lens i32[S], page_indices i32[S, P_max], cu_q_lens i32[S+1], num_seqs i32[1]
     logits_indices: jax.Array  # i32[S]: the token whose logits slot s samples from
-    sampling: SamplingBatch  # S rows
 
 
-def make_step_fn(forward: Callable, *, max_logprobs: int) -> Callable:
-    """step(params, kv_pages, batch) -> (tokens i32[S], Logprobs, kv_pages). Jit it with kv_pages
-    (argument 1) donated; see runtime/compilation.py.
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each StepBatch field of bucket (T, S) sits in the flat i32 buffer shipped to the device:
+    end to end in StepBatch order. Hashable: the model program takes it as a static argument."""
 
-    One function object per (forward, max_logprobs), kept on the forward function itself: JAX
-    caches traces, lowerings and executables per function object, so engines over the same loaded
-    model (several configs in one process, tests) compile each bucket shape once between them.
+    T: int
+    S: int
+    P: int  # P_max, pages per sequence
+
+    @property
+    def size(self) -> int:
+        return 2 * self.T + self.S * (self.P + 3) + 2
+
+    def unflatten(self, flat) -> StepBatch:
+        """The fields of flat i32[size]: numpy views of a host buffer, or static slices in a program."""
+        T, S, P = self.T, self.S, self.P
+        out, off = [], 0
+        for shape in ((T,), (T,), (S,), (S, P), (S + 1,), (1,), (S,)):
+            n = int(np.prod(shape))
+            out.append(flat[off : off + n].reshape(shape))
+            off += n
+        tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices = out
+        return StepBatch(tokens, positions, AttentionMetadata(kv_lens, page_indices, cu_q_lens, num_seqs), logits_indices)
+
+
+@dataclass
+class PackedBatch:
+    """One step on the host, as the executor ships it: two (three with penalties) arrays."""
+
+    layout: StepLayout
+    flat: np.ndarray  # i32[layout.size]: the StepBatch
+    rows: np.ndarray  # i32[S, K]: sampling rows (runtime/sampling.py)
+    history: np.ndarray | None  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded
+    needs: SamplingNeeds  # which sampler programs the step runs
+
+    @property
+    def step(self) -> StepBatch:  # numpy views into flat
+        return self.layout.unflatten(self.flat)
+
+    @property
+    def sampling(self) -> SamplingBatch:  # numpy views into rows
+        return sampling_rows(self.rows)
+
+
+def make_model_fn(forward: Callable) -> Callable:
+    """model(params, kv_pages, flat, rows, layout) -> (logits f32[S, V], greedy tokens i32[S],
+    kv_pages): the model program of a bucket. Jit it with kv_pages (argument 1) donated and layout
+    (argument 4) static; see runtime/compilation.py. The greedy tokens make a plain greedy step one dispatch.
+
+    One function object per forward, kept on the forward function itself: JAX caches traces,
+    lowerings and executables per function object, so engines over the same loaded model (several
+    configs in one process, tests) compile each bucket shape once between them.
     """
     try:
-        cache = forward.__dict__.setdefault("_xlaserve_step_fns", {})
+        cache = forward.__dict__
     except AttributeError:  # a callable without attributes: no sharing
-        return _build_step_fn(forward, max_logprobs)
-    if max_logprobs not in cache:
-        cache[max_logprobs] = _build_step_fn(forward, max_logprobs)
-    return cache[max_logprobs]
+        return _build_model_fn(forward)
+    if "_xlaserve_model_fn" not in cache:
+        cache["_xlaserve_model_fn"] = _build_model_fn(forward)
+    return cache["_xlaserve_model_fn"]
 
 
-def _build_step_fn(forward: Callable, max_logprobs: int) -> Callable:
-    def step(params, kv_pages, batch: StepBatch):
-        logits, kv_pages = forward(params, batch.tokens, batch.positions, kv_pages, batch.attn, batch.logits_indices)
-        out = sample(logits, batch.sampling, max_logprobs=max_logprobs)
-        return out.tokens, out.logprobs, kv_pages
+def _build_model_fn(forward: Callable) -> Callable:
+    def model(params, kv_pages, flat, rows, layout: StepLayout):
+        b = layout.unflatten(flat)
+        logits, kv_pages = forward(params, b.tokens, b.positions, kv_pages, b.attn, b.logits_indices)
+        logits = logits.astype(jnp.float32)
+        return logits, greedy(logits, sampling_rows(rows).banned), kv_pages
 
-    return step
+    return model
 
 
 @dataclass
@@ -94,7 +149,7 @@ class SeqSampling:
 
 
 class BatchPacker:
-    """Packs plans into numpy StepBatches for the bucket table it is given."""
+    """Packs plans into PackedBatches for the bucket table it is given."""
 
     def __init__(self, *, pages_per_seq: int, history_len: int, max_banned: int, select_bucket: Callable):
         self.pages_per_seq = pages_per_seq  # P_max
@@ -102,29 +157,24 @@ class BatchPacker:
         self.max_banned = max_banned  # NB
         self.select_bucket = select_bucket  # (num_tokens, num_seqs) -> (T, S)
 
-    def empty(self, T: int, S: int, *, history: bool = True) -> StepBatch:
-        """An all-padding batch of bucket (T, S): the abstract shape warmup compiles. With
+    def empty(self, T: int, S: int, *, history: bool = True) -> PackedBatch:
+        """An all-padding batch of bucket (T, S): the abstract shapes warmup compiles. With
         history=False the penalty history is None (see `pack`)."""
-        sampling = empty_sampling_batch(S, self.history_len if history else 0, self.max_banned)
-        return StepBatch(
-            tokens=np.zeros(T, np.int32),
-            positions=np.zeros(T, np.int32),
-            attn=AttentionMetadata(
-                kv_lens=np.zeros(S, np.int32),
-                page_indices=np.zeros((S, self.pages_per_seq), np.int32),
-                cu_q_lens=np.zeros(S + 1, np.int32),
-                num_seqs=np.zeros(1, np.int32),
-            ),
-            logits_indices=np.zeros(S, np.int32),
-            sampling=sampling if history else sampling._replace(history=None),
+        layout = StepLayout(T, S, self.pages_per_seq)
+        return PackedBatch(
+            layout=layout,
+            flat=np.zeros(layout.size, np.int32),
+            rows=empty_rows(S, self.max_banned),
+            history=np.full((S, self.history_len), -1, np.int32) if history else None,
+            needs=SamplingNeeds(),
         )
 
-    def pack(self, plan: StepPlan, sampling: Callable[[str], SeqSampling]) -> StepBatch:
+    def pack(self, plan: StepPlan, sampling: Callable[[str], SeqSampling]) -> PackedBatch:
         """plan.seqs[i] fills slot i. `sampling(request_id)` gives a sequence's SeqSampling.
 
         When no row has penalties the [S, W] history (W = max_model_len, the largest input) is
-        left None rather than filled and shipped every step; the executor substitutes a
-        device-resident all -1 array of the same shape, so the compiled program is the same.
+        left None rather than filled and shipped: only the penalize program reads it, and it does
+        not run then.
         """
         n_tok = plan.num_prefill_tokens + plan.num_decode_tokens
         n = plan.num_seqs
@@ -132,8 +182,9 @@ class BatchPacker:
         seqs = plan.seqs
         samp = [sampling(seq.request_id) if seq.sample else None for seq in seqs]
         histories = [(i, s.history) for i, s in enumerate(samp) if s is not None and s.history is not None]
-        b = self.empty(T, S, history=bool(histories))
-        m, sb = b.attn, b.sampling
+        out = self.empty(T, S, history=bool(histories))
+        b, sb = out.step, out.sampling
+        m = b.attn
         # Per-sequence values are gathered into lists and written with one numpy assignment each
         # (a Python loop of numpy scalar writes cost ~10 us per sequence at 256 sequences).
         if n:
@@ -153,31 +204,27 @@ class BatchPacker:
                 b.positions[off : off + q] = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int32)
             m.page_indices[i, : len(seq.pages)] = seq.pages
             off += q
-        rows = [i for i, s in enumerate(samp) if s is not None]
-        if rows:
-            ps = [samp[i].params for i in rows]
-            sb.temperature[rows] = [p.temperature for p in ps]
-            sb.top_k[rows] = [p.top_k for p in ps]
-            sb.top_p[rows] = [p.top_p for p in ps]
-            sb.min_p[rows] = [p.min_p for p in ps]
-            sb.repetition_penalty[rows] = [p.repetition_penalty for p in ps]
-            sb.presence_penalty[rows] = [p.presence_penalty for p in ps]
-            sb.frequency_penalty[rows] = [p.frequency_penalty for p in ps]
-            sb.seeds[rows] = [samp[i].seed for i in rows]
-            sb.positions[rows] = [seqs[i].num_computed_after for i in rows]  # the index the sampled token will have
-            sb.want_logprobs[rows] = [samp[i].wants_logprobs for i in rows]
-            for i in rows:
-                s = samp[i]
-                if s.history is not None:
-                    sb.num_prompt[i] = s.num_prompt
-                if s.num_output < s.params.min_tokens and len(s.stop_ids):
-                    sb.banned[i, : len(s.stop_ids)] = s.stop_ids
-        for i, h in histories:
-            sb.history[i] = h
         m.num_seqs[0] = n
-        return b
-
-
-def logprob_rows(lp: Logprobs, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The first n rows of a step's logprobs, on the host."""
-    return np.asarray(lp.sampled)[:n], np.asarray(lp.top_ids)[:n], np.asarray(lp.top_logprobs)[:n]
+        rows = [i for i, s in enumerate(samp) if s is not None]
+        if not rows:
+            return out
+        ps = [samp[i].params for i in rows]
+        sb.temperature[rows] = [p.temperature for p in ps]
+        sb.top_k[rows] = [p.top_k for p in ps]
+        sb.top_p[rows] = [p.top_p for p in ps]
+        sb.min_p[rows] = [p.min_p for p in ps]
+        sb.repetition_penalty[rows] = [p.repetition_penalty for p in ps]
+        sb.presence_penalty[rows] = [p.presence_penalty for p in ps]
+        sb.frequency_penalty[rows] = [p.frequency_penalty for p in ps]
+        sb.seeds[rows] = [samp[i].seed for i in rows]
+        sb.positions[rows] = [seqs[i].num_computed_after for i in rows]  # the index the sampled token will have
+        for i in rows:
+            s = samp[i]
+            if s.history is not None:
+                sb.num_prompt[i] = s.num_prompt
+            if s.num_output < s.params.min_tokens and len(s.stop_ids):
+                sb.banned[i, : len(s.stop_ids)] = s.stop_ids
+        for i, h in histories:
+            out.history[i] = h
+        out.needs = SamplingNeeds.of(sb, logprobs=any(samp[i].wants_logprobs for i in rows))
+        return out

@@ -1,33 +1,49 @@
-"""The in-jit sampler against numpy references, at fixed shapes (one compile per shape)."""
+"""The sampler programs against numpy references, at fixed shapes (one compile per shape), and
+the exactness of a row across the programs its neighbours make a step run."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import numpy as np
 import pytest
 
-from runtime.sampling import SamplingBatch, empty_sampling_batch, sample, split_seed
+from runtime.sampling import SamplingNeeds, empty_rows, greedy, run_sampler, sampler_programs, sampling_rows, split_seed
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
 
 
 @functools.cache
-def sampler(max_logprobs: int = M):
-    return jax.jit(functools.partial(sample, max_logprobs=max_logprobs))
+def programs(max_logprobs: int = M):
+    jitted = {name: jax.jit(p.fn) for name, p in sampler_programs(max_logprobs).items()}
+    # the tail of the model program (runtime/step.py): the greedy tokens of the raw logits
+    jitted["greedy"] = jax.jit(lambda logits, rows: greedy(logits, sampling_rows(rows).banned))
+    return jitted
 
 
-def batch(rows: int = S, **fields) -> SamplingBatch:
-    b = empty_sampling_batch(rows, W, NB)
+def batch(rows: int = S, **fields) -> np.ndarray:
+    """A rows buffer of `rows` neutral rows with `fields` set."""
+    b = empty_rows(rows, NB)
+    view = sampling_rows(b)
     for name, value in fields.items():
-        getattr(b, name)[...] = value
+        getattr(view, name)[...] = value
     return b
 
 
-def run(logits, b: SamplingBatch):
-    out = sampler()(np.asarray(logits, np.float32), b)
-    return np.asarray(out.tokens), jax.tree.map(np.asarray, out.logprobs)
+def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprobs=M):
+    """Tokens and logprobs (None when not asked) as the executor runs the programs. needs:
+    default what the rows need, as the packer decides; a caller may switch on more."""
+    p = programs(max_logprobs)
+    logits = np.asarray(logits, np.float32)
+    if needs is None:
+        needs = SamplingNeeds.of(sampling_rows(rows), logprobs=logprobs)
+    if history is None and needs.penalties:
+        history = np.full((len(rows), W), -1, np.int32)
+    tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history,
+                             needs)
+    return np.asarray(tokens), None if lp is None else jax.tree.map(np.asarray, lp)
 
 
 def random_logits(rng, rows=S, scale=3.0):
@@ -42,7 +58,7 @@ def log_softmax(x):
 def test_greedy_is_argmax_and_logprobs_are_raw():
     rng = np.random.default_rng()
     logits = random_logits(rng)
-    tokens, lp = run(logits, batch(want_logprobs=True))
+    tokens, lp = sample(logits, batch())
     np.testing.assert_array_equal(tokens, logits.argmax(-1))
     ref = log_softmax(logits.astype(np.float64))
     np.testing.assert_allclose(lp.sampled, ref[np.arange(S), tokens], atol=1e-5)
@@ -50,9 +66,11 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     np.testing.assert_allclose(lp.top_logprobs, np.sort(ref, axis=-1)[:, ::-1][:, :M], atol=1e-5)
 
 
-def test_no_logprobs_requested_returns_zeros():
-    tokens, lp = run(random_logits(np.random.default_rng()), batch())
-    assert not lp.sampled.any() and not lp.top_logprobs.any() and lp.top_ids.shape == (S, M)
+def test_no_logprobs_requested_returns_none():
+    logits = random_logits(np.random.default_rng())
+    tokens, lp = sample(logits, batch(), logprobs=False)
+    assert lp is None
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
 
 
 def penalized_reference(logits, history, num_prompt, rep, pres, freq):
@@ -81,9 +99,8 @@ def test_penalties_match_reference():
     rep = np.array([1.0, 1.5, 1.0, 2.0], np.float32)
     pres = np.array([0.0, 0.0, 1.0, 0.5], np.float32)
     freq = np.array([0.0, 0.0, 0.5, 1.0], np.float32)
-    b = batch(history=history, num_prompt=num_prompt, repetition_penalty=rep, presence_penalty=pres,
-              frequency_penalty=freq, want_logprobs=True)
-    tokens, lp = run(logits, b)
+    b = batch(num_prompt=num_prompt, repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+    tokens, lp = sample(logits, b, history)
     ref = penalized_reference(logits, history, num_prompt, rep, pres, freq)
     np.testing.assert_array_equal(tokens, ref.argmax(-1))
     assert tokens[0] == logits[0].argmax()  # a row without penalties is untouched
@@ -98,19 +115,15 @@ def test_banned_tokens_are_never_sampled():
     banned = np.full((S, NB), -1, np.int32)
     banned[:, 0] = best
     banned[1, 1] = np.argsort(-logits[1])[1]
-    tokens, _ = run(logits, batch(banned=banned))
+    tokens, _ = sample(logits, batch(banned=banned))
     assert tokens[0] == np.argsort(-logits[0])[1]
     assert tokens[1] == np.argsort(-logits[1])[2]
-    tokens, _ = run(logits, batch(banned=banned, temperature=5.0, seeds=[[1, 2]] * S))
-    assert not (tokens[:, None] == banned).any()
+    for fields in (dict(temperature=5.0), dict(temperature=5.0, top_p=0.99), dict(repetition_penalty=1.5)):
+        tokens, _ = sample(logits, batch(banned=banned, seeds=[[1, 2]] * S, **fields))
+        assert not (tokens[:, None] == banned).any(), fields
 
 
 ROWS = 256  # one call draws 256 samples (positions 0..255 of one seed)
-
-
-@functools.cache
-def big_sampler():
-    return jax.jit(functools.partial(sample, max_logprobs=0))
 
 
 def draws(logits_row, calls=8, **params):
@@ -118,13 +131,9 @@ def draws(logits_row, calls=8, **params):
     seed = int(np.random.default_rng().integers(0, 2**63))
     out = []
     for c in range(calls):
-        b = empty_sampling_batch(ROWS, W, NB)
-        for name, v in params.items():
-            getattr(b, name)[...] = v
-        b.seeds[:] = split_seed(seed)
-        b.positions[:] = np.arange(c * ROWS, (c + 1) * ROWS)
+        b = batch(ROWS, seeds=split_seed(seed), positions=np.arange(c * ROWS, (c + 1) * ROWS), **params)
         logits = np.broadcast_to(np.asarray(logits_row, np.float32), (ROWS, V))
-        out.append(np.asarray(big_sampler()(logits, b).tokens))
+        out.append(sample(logits, b, logprobs=False, max_logprobs=0)[0])
     return np.concatenate(out)
 
 
@@ -173,26 +182,59 @@ def test_filters_sample_the_renormalized_distribution(kind):
     check_distribution(draws(logits, **params), want / want.sum())
 
 
+NEEDS = [SamplingNeeds(*flags) for flags in itertools.product((False, True), repeat=4)]
+
+
 def test_row_depends_only_on_its_seed_position_and_logits():
     """The same (seed, position, logits) gives the same token in any slot, whatever the
-    neighbours need (penalties, filters, logprobs switch the conditional branches on)."""
+    neighbours need (penalties, filters, logprobs make the step run more programs)."""
     rng = np.random.default_rng()
     row = random_logits(rng, rows=1)[0]
     seed = split_seed(int(rng.integers(0, 2**63)))
     ref = None
     for slot in range(S):
-        for neighbours in ({}, dict(top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=1.5, want_logprobs=True)):
+        for neighbours in ({}, dict(top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=1.5, frequency_penalty=0.5)):
             logits = random_logits(rng)
             logits[slot] = row
             b = batch(temperature=0.9, **neighbours)
-            for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
-                getattr(b, name)[slot] = neutral
-            b.history[:, :3] = rng.integers(0, V, (S, 3))
-            b.seeds[slot] = seed
-            b.positions[slot] = 17
-            tokens, _ = run(logits, b)
-            ref = tokens[slot] if ref is None else ref
-            assert tokens[slot] == ref, (slot, neighbours)
+            v = sampling_rows(b)
+            for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                                  ("frequency_penalty", 0.0)):
+                getattr(v, name)[slot] = neutral
+            v.seeds[slot] = seed
+            v.positions[slot] = 17
+            history = rng.integers(-1, V, (S, W)).astype(np.int32)
+            for logprobs in (False, True):
+                tokens, _ = sample(logits, b, history, logprobs=logprobs)
+                ref = tokens[slot] if ref is None else ref
+                assert tokens[slot] == ref, (slot, neighbours, logprobs)
+
+
+@pytest.mark.parametrize("target", ["greedy", "random"])
+def test_row_token_is_the_same_in_every_program_variant(target):
+    """A greedy row gets the identical token from the model program's argmax, after penalize, and
+    inside either pick program; a seeded random row the identical draw from pick and pick_filtered,
+    after penalize or not: the neutral settings are exact identities. Neighbours use everything."""
+    rng = np.random.default_rng()
+    logits = random_logits(rng)
+    b = batch(temperature=[0.0, 0.8, 1.3, 0.0], top_k=[0, 5, 0, 0], top_p=[1.0, 0.9, 1.0, 1.0],
+              min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.4, 1.0, 1.2],
+              presence_penalty=[0.0, 0.0, 0.7, 0.0], frequency_penalty=[0.0, 0.3, 0.0, 0.0],
+              seeds=[split_seed(int(x)) for x in rng.integers(0, 2**63, S)], positions=rng.integers(0, 999, S))
+    history = rng.integers(0, V, (S, W)).astype(np.int32)
+    if target == "random":  # row 0 becomes a seeded random row without penalties or filters
+        sampling_rows(b).temperature[0] = 0.7
+    history[0] = -1
+    need = SamplingNeeds(random=target == "random")
+    for position in range(8 if target == "random" else 1):  # distinct noise: more chances to differ
+        sampling_rows(b).positions[0] = position
+        results = {}
+        for needs in NEEDS:
+            if needs.random or not need.random:  # a random row needs a pick program
+                results[needs] = sample(logits, b, history, needs=needs)[0][0]
+        assert len(set(results.values())) == 1, (position, results)
+    if target == "greedy":
+        assert results[need] == logits[0].argmax()
 
 
 def test_split_seed():

@@ -17,8 +17,9 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
+from runtime.sampling import SamplingNeeds
 from runtime.scheduler import ScheduledSeq, StepPlan
-from runtime.step import BatchPacker, SeqSampling, make_step_fn
+from runtime.step import BatchPacker, SeqSampling, StepLayout, make_model_fn
 from sharding.rules import kv_cache_sharding
 from tests.testing.greedy import greedy_generate
 from tests.tolerances import MODEL_LOGITS_F32
@@ -86,7 +87,9 @@ def test_packer_lays_out_plan_and_padding():
         seq("p", [6, 11, 12], 2, [4], sample=True),
         seq("c", [20, 21, 22, 23], 0, [5], sample=False),
     )
-    b = packer.pack(plan, table.__getitem__)
+    packed = packer.pack(plan, table.__getitem__)
+    assert packed.layout == StepLayout(16, 4, P_MAX) and packed.flat.shape == (packed.layout.size,)
+    b = packed.step  # views into the one flat buffer
     assert b.tokens.shape == (16,) and b.logits_indices.shape == (4,)
     np.testing.assert_array_equal(b.tokens[:8], [3, 6, 11, 12, 20, 21, 22, 23])
     np.testing.assert_array_equal(b.positions[:8], [5, 2, 3, 4, 0, 1, 2, 3])
@@ -98,23 +101,27 @@ def test_packer_lays_out_plan_and_padding():
     np.testing.assert_array_equal(m.page_indices[:3, :2], [[7, 2], [4, 0], [5, 0]])
     assert m.page_indices.shape == (4, P_MAX)
     np.testing.assert_array_equal(b.logits_indices, [0, 3, 7, 0])
-    sb = b.sampling
+    sb = packed.sampling  # views into the rows buffer
     np.testing.assert_allclose(sb.temperature, [0, 0.5, 0, 0])
     np.testing.assert_array_equal(sb.top_k, [0, 3, 0, 0])
     np.testing.assert_allclose(sb.top_p, [1, 0.9, 1, 1], rtol=1e-6)
     np.testing.assert_allclose(sb.repetition_penalty, [1, 1.2, 1, 1], rtol=1e-6)
     np.testing.assert_array_equal(sb.seeds[1], [3, 2**8])
     np.testing.assert_array_equal(sb.positions[:2], [6, 5])
-    np.testing.assert_array_equal(sb.history[1, :5], [4, 5, 6, 11, -1])
-    assert (sb.history[[0, 2, 3]] == -1).all()  # only rows with penalties carry their history
+    np.testing.assert_array_equal(packed.history[1, :5], [4, 5, 6, 11, -1])
+    assert (packed.history[[0, 2, 3]] == -1).all()  # only rows with penalties carry their history
     assert sb.num_prompt[1] == 3
     np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])  # 1 output < min_tokens 2: EOS and stop id
     assert (sb.banned[[0, 2, 3]] == -1).all()
-    np.testing.assert_array_equal(sb.want_logprobs, [False, True, False, False])
+    assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True)
     fancy.append(12)  # 2 outputs: min_tokens reached, nothing banned
     assert (packer.pack(plan, table.__getitem__).sampling.banned == -1).all()
-    # Without a penalized row the [S, W] history is not built (the executor supplies -1s on device).
-    assert packer.pack(plan_of(plan.seqs[0], plan.seqs[2]), table.__getitem__).sampling.history is None
+    # Without a penalized row the [S, W] history is not built (the penalize program does not run).
+    greedy_only = packer.pack(plan_of(plan.seqs[0], plan.seqs[2]), table.__getitem__)
+    assert greedy_only.history is None and greedy_only.needs == SamplingNeeds()
+    random = SeqSampling.create(SamplingParams(temperature=0.5, logprobs=0), 1, [1], [2], W)
+    assert packer.pack(plan_of(seq("r", [3], 5, [7], prefill=False)), {"r": random}.__getitem__).needs == \
+        SamplingNeeds(random=True, logprobs=True)
 
 
 def test_ignore_eos_keeps_eos_unbanned():
@@ -133,8 +140,8 @@ def executor(tiny_model):
     kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh), fill=float("nan"))
     table = BucketTable((16, 32), (2,))
     packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select)
-    ex = StepExecutor(make_step_fn(m.forward, max_logprobs=5), params=m.params, kv_pages=kv, mesh=m.mesh,
-                      table=table, empty_batch=packer.empty, strict=True)
+    ex = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh, table=table,
+                      empty_batch=packer.empty, vocab_size=m.config.vocab_size, max_logprobs=5, strict=True)
     ex.warmup(progress=False)
     return ex, packer, kv
 
@@ -173,22 +180,56 @@ def test_step_matches_plain_forward(tiny_model, executor):
         np.testing.assert_allclose(lps[row], want_lps, atol=atol)
         np.testing.assert_array_equal(ids[row], want_ids)
     assert ex.compiled_buckets == [(16, 2), (32, 2)]
+    assert ex.num_warmup_compiles == 2 + 4  # a model program per bucket, 4 sampler programs for S = 2
+
+
+def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeypatch):
+    ex, packer, _ = executor
+    m = tiny_model
+    kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh))
+    calls = []
+    compiled = ex._executable
+    monkeypatch.setattr(ex, "_executable", lambda key: calls.append(key) or compiled(key))
+    table = {"g": SeqSampling.create(SamplingParams(temperature=0.0), 0, [1, 2, 3], [], W),
+             "r": SeqSampling.create(SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=2),
+                                     0, [1, 2, 3], [], W)}
+    tokens, lp, kv = ex(m.params, kv, packer.pack(plan_of(seq("g", [1, 2, 3], 0, [1])), table.__getitem__))
+    assert lp is None and calls == [("model", 16, 2)]  # a greedy step is one dispatch
+    calls.clear()
+    both = plan_of(seq("g", [1, 2, 3], 0, [1]), seq("r", [1, 2, 3], 0, [2]))
+    tokens, lp, kv = ex(m.params, kv, packer.pack(both, table.__getitem__))
+    assert calls == [("model", 16, 2), ("penalize", 2), ("pick_filtered", 2), ("logprobs", 2)]
+    assert np.asarray(lp.top_ids).shape == (2, 5)
+
+
+def test_step_programs_never_wait_for_the_device(executor):
+    """No conditional (XLA's GPU runtime copies its predicate to the host and waits), and every
+    loop has a trip count known at compile time (threefry's rounds, the reference attention's)."""
+    ex, _, _ = executor
+    for key, exe in ex._executables.items():
+        hlo = exe.as_text()
+        assert "conditional(" not in hlo, key
+        loops = [line for line in hlo.splitlines() if " while(" in line]
+        assert all("known_trip_count" in line for line in loops), key
 
 
 def test_strict_executor_refuses_to_compile_after_warmup(executor):
     ex, packer, kv = executor
-    with pytest.raises(CompileAfterWarmupError, match=r"\(T=64, S=2\) was not compiled at warmup"):
-        ex._executable(64, 2)
+    with pytest.raises(CompileAfterWarmupError, match=r"model program \(T=64, S=2\) was not compiled at warmup"):
+        ex._executable(("model", 64, 2))
+    with pytest.raises(CompileAfterWarmupError, match=r"pick program \(S=4\) was not compiled at warmup"):
+        ex._executable(("pick", 4))
 
 
 def test_lenient_executor_compiles_and_alerts(tiny_model, executor, caplog):
     _, packer, kv = executor
     m = tiny_model
-    lenient = StepExecutor(make_step_fn(m.forward, max_logprobs=5), params=m.params, kv_pages=kv, mesh=m.mesh,
-                           table=BucketTable((16,), (2,)), empty_batch=packer.empty, strict=False)
-    lenient.warmup(progress=False)  # the same step function and shapes: JAX's caches make this cheap
+    lenient = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh,
+                           table=BucketTable((16,), (2,)), empty_batch=packer.empty, vocab_size=m.config.vocab_size,
+                           max_logprobs=5, strict=False)
+    lenient.warmup(progress=False)  # the same program functions and shapes: JAX's caches make this cheap
     with caplog.at_level(logging.ERROR, logger="runtime.compilation"):
-        lenient._executable(32, 2)
+        lenient._executable(("model", 32, 2))
     assert lenient.num_compiles_after_warmup == 1
     assert "ALERT" in caplog.text and "(T=32, S=2)" in caplog.text
 
