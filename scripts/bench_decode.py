@@ -9,11 +9,12 @@ per step. For each model and batch size B it times, back to back with the KV poo
 threaded through (median over repetitions, warmed up, block_until_ready at the end of each one):
 
   model     the pure model step: jit(forward + argmax), batch arrays already on the device;
-  step      the engine's compiled step (runtime/step.py: forward, paged KV written and read through
-            pallas_kernels.dispatch -- the Pallas kernel on GPU -- then the full sampler with greedy
-            rows), batch already on the device: the engine's program;
-  executor  the same compiled step called as the engine calls it (StepExecutor with a numpy batch,
-            so the host->device copy of the batch is in every step);
+  step      the engine's programs for a greedy batch, batch already on the device: the model program
+            alone (runtime/step.py: the flat batch unpacked, forward with paged KV written and read
+            through pallas_kernels.dispatch -- the Pallas kernel on GPU -- f32 logits, banned ids
+            masked, argmax); a greedy step runs no sampler program (runtime/sampling.py);
+  executor  the same step called as the engine calls it (StepExecutor with a numpy PackedBatch, so
+            the host->device copy of the batch, two flat arrays, is in every step);
   engine    (B = 1 only) `Engine.step()` in steady decode: scheduling, packing, dispatch, output
             handling; median wall time between consecutive steps.
 
@@ -197,8 +198,9 @@ def run_child(args) -> dict:
         rng = np.random.default_rng(0)
         perm = rng.permutation(num_pages).astype(np.int32)
 
-        def make_batch(B, history: bool):
-            b = engine.packer.empty(B, B, history=history)
+        def make_batch(B):  # greedy rows, no penalties: what the packer gives for this decode
+            packed = engine.packer.empty(B, B, history=False)
+            b = packed.step  # views into packed.flat
             b.tokens[:] = rng.integers(0, mc.vocab_size, B)
             b.positions[:] = args.ctx
             m = b.attn
@@ -207,19 +209,19 @@ def run_child(args) -> dict:
             m.cu_q_lens[:] = np.arange(B + 1)
             m.num_seqs[0] = B
             b.logits_indices[:] = np.arange(B)
-            return b
+            return packed
 
         # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
         t0 = time.perf_counter()
         jobs = []
         for B in batches:
-            jobs.append((("step", B), ex._lower(B, B)))
+            jobs.append((("step", B), ex._lower(("model", B, B))))
             if B in args.model_batches:
-                b = make_batch(B, True)
+                b = make_batch(B).step
                 jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
                                                            b.attn, b.logits_indices)))
         if 1 in batches and not args.no_engine:
-            jobs.append((("step", (prefill_T, 1)), ex._lower(prefill_T, 1)))
+            jobs.append((("step", (prefill_T, 1)), ex._lower(("model", prefill_T, 1))))
         compiled = {}
         with ThreadPoolExecutor(4) as pool:
             futs = [(k, pool.submit(lw.compile)) for k, lw in jobs]
@@ -227,8 +229,8 @@ def run_child(args) -> dict:
                 compiled[k] = f.result()
         for k, exe in compiled.items():
             if k[0] == "step":
-                key = k[1] if isinstance(k[1], tuple) else (k[1], k[1])
-                ex._executables[key] = exe
+                T, S = k[1] if isinstance(k[1], tuple) else (k[1], k[1])
+                ex._executables[("model", T, S)] = exe
         info["compile_s"] = time.perf_counter() - t0
         print(f"{name}: {param_bytes / 1e9:.2f} GB params ({weights_read / 1e9:.2f} GB read per step), "
               f"{num_pages} KV pages; load {info['load_s']:.1f}s, {len(jobs)} programs compiled in "
@@ -240,8 +242,9 @@ def run_child(args) -> dict:
             bytes_step = weights_read + B * (args.ctx + 1) * kv_tok + B * kv_tok
             row = {"model": name, "batch": B, "ctx": args.ctx, "bytes_per_step": bytes_step,
                    "floor_s": bytes_step / bw}
-            hb = make_batch(B, True)
-            db = jax.device_put(hb, ex._batch_sharding)
+            hb = make_batch(B)
+            db = jax.device_put(hb.step, ex._batch_sharding)  # the model column's arguments
+            dflat = jax.device_put((hb.flat, hb.rows), ex._batch_sharding)  # the step column's
             measured, disp = {}, {}
             if ("model", B) in compiled:
                 exe = compiled[("model", B)]
@@ -252,14 +255,13 @@ def run_child(args) -> dict:
                 measured["model"], kv, disp["model"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             exe = compiled[("step", B)]
 
-            def call(kv, exe=exe, db=db):
-                return exe(loaded.params, kv, db)[2]
+            def call(kv, exe=exe, dflat=dflat):
+                return exe(loaded.params, kv, *dflat)[2]
 
             measured["step"], kv, disp["step"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
-            nb = make_batch(B, False)  # what the packer gives when no row has penalties
 
-            def call(kv, nb=nb):
-                return ex(loaded.params, kv, nb)[2]
+            def call(kv, hb=hb):
+                return ex(loaded.params, kv, hb)[2]
 
             measured["executor"], kv, disp["executor"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             for k, t in measured.items():
@@ -276,8 +278,8 @@ def run_child(args) -> dict:
                         def call(kv, exe=exe, db=db):
                             return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
                     else:
-                        def call(kv, exe=exe, db=db):
-                            return exe(loaded.params, kv, db)[2]
+                        def call(kv, exe=exe, dflat=dflat):
+                            return exe(loaded.params, kv, *dflat)[2]
                     try:
                         prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_{k}")
                     except Exception as e:  # a failed trace is a result, not a crash
