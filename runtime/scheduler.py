@@ -21,6 +21,14 @@ A waiting request whose next prompt page is being computed right now by another 
 (same tokens, same salt) is deferred until that page is registered, so that a burst of prompts
 sharing a prefix computes the prefix once instead of once per request admitted in the same step.
 
+Lookahead (the engine planning step k+1 while the device still runs step k):
+update_from_output(plan, None) accounts step k's K/V and gives each sampling sequence a
+placeholder token -(row + 1), so step() can plan k+1 at once; a decode fed a placeholder reads the
+token from step k's output on the device. resolve(tokens) then writes the real tokens and applies
+the stops that depend on them (EOS, stop ids); a stop by length needs only the count and applies
+at once. A request preempted while its last token is a placeholder waits for the resolve before it
+is admitted again (its page hashes need the token). update_from_output(plan, tokens) is both at once.
+
 n > 1: the engine adds one request, and once step() has returned the plan that completes its
 prompt (or any time later while it is live) calls fork(parent_id, child_ids): each child shares
 the parent's full prompt pages by reference and recomputes only the partial last page, under its
@@ -202,6 +210,9 @@ class Scheduler:
         self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
         self._outstanding: StepPlan | None = None
         self._outstanding_reqs: list[Request] = []  # aligned with _outstanding.seqs
+        # a step applied without its tokens: (row in its plan, request, index of the placeholder in
+        # token_ids, finished by length at once) per sampling sequence; see the module docstring
+        self._unresolved: list[tuple[int, Request, int, bool]] | None = None
         self._finished_since_plan: list[str] = []
         self._num_steps = 0
         self._prefill_tokens = 0
@@ -335,6 +346,8 @@ class Scheduler:
             return False
         if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
             raise ValueError(f"finish reason must be one of stop, length, abort; got {reason!r}")
+        if req.token_ids[-1] < 0:  # the token of an unresolved step: never delivered, dropped
+            req.token_ids.pop()
         self._finish(req, reason, stop_reason)
         return True
 
@@ -418,26 +431,52 @@ class Scheduler:
             self._outstanding_reqs = [e[0] for e in ctx.entries.values()]
         return plan
 
-    def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence[int]) -> list[SeqUpdate]:
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence[int] | None) -> list[SeqUpdate]:
         """Apply a finished step: sampled_token_ids[i] is what plan.seqs[i] sampled (ignored where
-        seqs[i].sample is False). Returns one SeqUpdate per sampled token of a live request."""
+        seqs[i].sample is False). Returns one SeqUpdate per sampled token of a live request.
+
+        With None, the step is applied without its tokens (lookahead, see the module docstring):
+        placeholders stand in for them until resolve(tokens); returns []."""
         if plan is not self._outstanding:
             raise ValueError(f"plan {plan.step_id} is not the outstanding plan")
-        if len(sampled_token_ids) != len(plan.seqs):
+        if sampled_token_ids is not None and len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} scheduled sequences")
+        if self._unresolved is not None:
+            raise RuntimeError("the previous step's tokens are unresolved: call resolve(tokens) first")
         reqs, self._outstanding, self._outstanding_reqs = self._outstanding_reqs, None, []
-        updates = []
-        for seq, req, token in zip(plan.seqs, reqs, sampled_token_ids):
+        pending = []
+        for row, (seq, req) in enumerate(zip(plan.seqs, reqs)):
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted after the plan was made (its id may be reused)
             req.num_computed_tokens = seq.num_computed_after
             self._register_pages(req)
             if not seq.sample:
                 continue
-            token = int(token)
-            req.token_ids.append(token)
-            done = req.check_stop_token(token)
-            if done is not None:
+            req.token_ids.append(-(row + 1))
+            by_length = req.num_output_tokens >= req.max_tokens
+            if by_length:
+                self._finish(req, FINISH_LENGTH, None)
+            pending.append((row, req, len(req.token_ids) - 1, by_length))
+        self._unresolved = pending
+        return [] if sampled_token_ids is None else self.resolve(sampled_token_ids)
+
+    def resolve(self, sampled_token_ids: Sequence[int]) -> list[SeqUpdate]:
+        """The tokens of the step applied by update_from_output(plan, None), indexed like its plan's
+        seqs. Returns one SeqUpdate per sampled token of a request still live (or just finished
+        by length) when the step was applied and not finished or aborted since."""
+        pending, self._unresolved = self._unresolved, None
+        if pending is None:
+            raise RuntimeError("no step awaits its tokens")
+        updates = []
+        for row, req, index, by_length in pending:
+            if req.status is RequestStatus.FINISHED and not by_length:
+                continue  # aborted or stopped (stop string) since: its token is dropped
+            token = int(sampled_token_ids[row])
+            req.token_ids[index] = token
+            done = req.check_stop_token(token)  # with by_length, stop or length (EOS goes first)
+            if by_length:
+                req.finish_reason, req.stop_reason = done
+            elif done is not None:
                 self._finish(req, *done)
             updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
         return updates
@@ -485,8 +524,8 @@ class Scheduler:
         cfg, G = self.config, self.config.page_size
         outstanding = sum(_cdiv(r.prefill_target, G) - len(r.pages) for r in self._running if r.is_prefill)
         for req in list(self._waiting):
-            if ctx.budget < 1 or len(self._running) >= cfg.max_num_seqs:
-                break
+            if ctx.budget < 1 or len(self._running) >= cfg.max_num_seqs or req.token_ids[-1] < 0:
+                break  # (a placeholder: preempted before its last step was resolved; hashes need it)
             hits: list[int] = []
             if req.pages:  # a fork: it shares its parent's pages
                 start = req.num_computed_tokens

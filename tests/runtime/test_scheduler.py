@@ -57,8 +57,14 @@ class FakeDevice:
         at that point (a fork made before the step runs may share them; it reads them later)."""
         self.refcounts = {p: self.sched.allocator.refcount(p) for s in plan.seqs for p in s.pages}
 
-    def run(self, plan) -> list[int]:
+    def run(self, plan, prev: list[int] | None = None) -> list[int]:
+        """Run a plan. `prev`: the previous step's output, which placeholder tokens (-(row + 1), a
+        plan made before that step was resolved) are read from, as the engine's step does."""
         G, cfg = self.G, self.sched.config
+
+        def real(t):
+            return t if t >= 0 else prev[-t - 1]
+
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert plan.num_seqs <= cfg.max_num_seqs
         assert len({s.slot for s in plan.seqs}) == plan.num_seqs
@@ -74,14 +80,14 @@ class FakeDevice:
                 pos = s.start_pos + i
                 page = s.pages[pos // G]
                 assert self.refcounts[page] == 1, f"write into shared page {page}"
-                self.kv[page][pos % G] = (t, pos)
+                self.kv[page][pos % G] = (real(t), pos)
         out = []
         for s in plan.seqs:
             read = [self.kv[s.pages[p // G]][p % G] for p in range(s.kv_len)]
             assert all(r is not None and r[1] == p for p, r in enumerate(read)), f"{s.request_id}: bad KV"
             context = [r[0] for r in read]
             req = self.sched.get_request(s.request_id)
-            assert context == req.token_ids[: s.kv_len], f"{s.request_id}: KV holds other tokens"
+            assert context == [real(t) for t in req.token_ids[: s.kv_len]], f"{s.request_id}: KV holds other tokens"
             assert s.sample == (s.kv_len == req.num_tokens)
             out.append(next_token(context) if s.sample else -1)
         return out
@@ -485,7 +491,7 @@ request_st = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     page_size=st.sampled_from([1, 2, 4, 8]),
     num_pages=st.integers(6, 32),
@@ -496,10 +502,13 @@ request_st = st.fixed_dictionaries(
     chunked=st.booleans(),
     requests=st.lists(request_st, min_size=1, max_size=20),
     seed=st.integers(0, 2**16),
+    lookahead=st.booleans(),
 )
 def test_random_workload_invariants_and_exactness(
-    page_size, num_pages, max_num_seqs, budget, watermark, caching, chunked, requests, seed
+    page_size, num_pages, max_num_seqs, budget, watermark, caching, chunked, requests, seed, lookahead
 ):
+    """lookahead: step k+1 is planned (and run) before step k's tokens are resolved, as the engine
+    does when no request needs its previous token on the host."""
     max_model_len = 48
     if not chunked:
         budget = max(budget, max_model_len)
@@ -513,7 +522,8 @@ def test_random_workload_invariants_and_exactness(
     pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive"])
     cut = {}  # request id -> why its output may stop short of the reference
     step = 0
-    while pending or h.sched.has_unfinished():
+    prev = None  # lookahead: the output of the step applied without its tokens
+    while pending or h.sched.has_unfinished() or prev is not None:
         assert step < 3000, "workload did not drain"
         while pending and pending[0][1]["arrive"] <= step:
             i, spec = pending.pop(0)
@@ -547,7 +557,14 @@ def test_random_workload_invariants_and_exactness(
             if s.sample and r.num_output_tokens == 0 and r.parent_id is None and r.sampling_params.n > 1:
                 kids = h.sched.fork(s.request_id, [f"{s.request_id}#{j}" for j in range(1, r.sampling_params.n)])
                 h.reqs.update({k.request_id: k for k in kids})
-        if not plan.is_empty:
+        if lookahead:
+            out = h.dev.run(plan, prev) if not plan.is_empty else None
+            if prev is not None:
+                h.sched.resolve(prev)
+            prev = out
+            if out is not None:
+                h.sched.update_from_output(plan, None)
+        elif not plan.is_empty:
             h.sched.update_from_output(plan, h.dev.run(plan))
         h.sched.check_invariants()
         step += 1
