@@ -75,6 +75,7 @@ class SamplingBatch(NamedTuple):
 
 
 # (field, dtype, columns) of a rows buffer, in SamplingBatch order; `banned` takes the rest.
+# SamplingNeeds.of reads the first seven by position.
 _COLUMNS = (
     ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("min_p", np.float32, 1),
     ("repetition_penalty", np.float32, 1), ("presence_penalty", np.float32, 1),
@@ -102,10 +103,16 @@ def sampling_rows(rows) -> SamplingBatch:
 
 def empty_rows(S: int, max_banned: int) -> np.ndarray:
     """A host rows buffer i32[S, K] of S neutral (greedy, no penalties) rows."""
+    return _neutral_rows(S, max_banned).copy()
+
+
+@functools.cache
+def _neutral_rows(S: int, max_banned: int) -> np.ndarray:  # packing copies it every step
     rows = np.zeros((S, _FIXED_COLUMNS + max_banned), np.int32)
     view = sampling_rows(rows)
     for name, value in _NEUTRAL.items():
         getattr(view, name)[...] = value
+    rows.flags.writeable = False
     return rows
 
 
@@ -119,14 +126,15 @@ class SamplingNeeds:
     logprobs: bool = False  # some row asked for logprobs
 
     @classmethod
-    def of(cls, b: SamplingBatch, *, logprobs: bool) -> SamplingNeeds:
-        """What the (numpy) rows b need: a setting counts when it is not its neutral value."""
-        random = b.temperature > 0.0
-        penalized = (b.repetition_penalty != 1.0) | (b.presence_penalty != 0.0) | (b.frequency_penalty != 0.0)
+    def of(cls, rows: np.ndarray, *, logprobs: bool) -> SamplingNeeds:
+        """What host rows i32[S, K] need: a setting counts when it is not its neutral value
+        (compared as bit patterns: SamplingParams admits no other spelling of "off")."""
+        changed = rows[:, :7] != _neutral_rows(1, 0)[0, :7]  # bool[S, 7]: the columns below
+        random = changed[:, 0]  # temperature
         return cls(
-            penalties=bool(penalized.any()),
+            penalties=bool(changed[:, 4:7].any()),  # repetition, presence, frequency
             random=bool(random.any()),
-            filters=bool((random & ((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))).any()),
+            filters=bool(changed[random, 1:4].any()),  # top-k, top-p, min-p
             logprobs=logprobs,
         )
 

@@ -59,8 +59,7 @@ class StepLayout:
         """The fields of flat i32[size]: numpy views of a host buffer, or static slices in a program."""
         T, S, P = self.T, self.S, self.P
         out, off = [], 0
-        for shape in ((T,), (T,), (S,), (S, P), (S + 1,), (1,), (S,)):
-            n = int(np.prod(shape))
+        for shape, n in (((T,), T), ((T,), T), ((S,), S), ((S, P), S * P), ((S + 1,), S + 1), ((1,), 1), ((S,), S)):
             out.append(flat[off : off + n].reshape(shape))
             off += n
         tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices = out
@@ -226,5 +225,5 @@ class BatchPacker:
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h
-        out.needs = SamplingNeeds.of(sb, logprobs=any(samp[i].wants_logprobs for i in rows))
+        out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].wants_logprobs for i in rows))
         return out

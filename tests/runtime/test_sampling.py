@@ -38,7 +38,7 @@ def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprob
     p = programs(max_logprobs)
     logits = np.asarray(logits, np.float32)
     if needs is None:
-        needs = SamplingNeeds.of(sampling_rows(rows), logprobs=logprobs)
+        needs = SamplingNeeds.of(rows, logprobs=logprobs)
     if history is None and needs.penalties:
         history = np.full((len(rows), W), -1, np.int32)
     tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history,
