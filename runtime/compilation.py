@@ -179,7 +179,7 @@ class StepExecutor:
             return self._model.lower(self._abstract_params, self._abstract_kv, self._abstract(b.flat),
                                      self._abstract(b.rows), b.layout)
         name, S = key
-        b = self._empty_batch(next(T for T, s in self.table.pairs() if s == S), S)
+        b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=np.zeros((S, self._vocab_size), np.float32), rows=b.rows, history=b.history,
                       tokens=np.zeros(S, np.int32))
         fn, args = self._samplers[name]

@@ -77,7 +77,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int  # steps dispatched to the device
     num_warmup_compiles: int
-    num_compiles_after_warmup: int  # step buckets missing from warmup plus any other compile while serving
+    num_compiles_after_warmup: int  # step programs missing from warmup plus any other compile while serving
     warmup_seconds: float
 
     @property

@@ -87,8 +87,9 @@ class PackedBatch:
 
 def make_model_fn(forward: Callable) -> Callable:
     """model(params, kv_pages, flat, rows, layout) -> (logits f32[S, V], greedy tokens i32[S],
-    kv_pages): the model program of a bucket. Jit it with kv_pages (argument 1) donated and layout
-    (argument 4) static; see runtime/compilation.py. The greedy tokens make a plain greedy step one dispatch.
+    kv_pages): the model program of a bucket; the greedy tokens make a plain greedy step one
+    dispatch. Jit it with kv_pages (argument 1) donated and layout (argument 4) static; see
+    runtime/compilation.py.
 
     One function object per forward, kept on the forward function itself: JAX caches traces,
     lowerings and executables per function object, so engines over the same loaded model (several

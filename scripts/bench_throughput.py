@@ -11,7 +11,8 @@ each, greedy, EOS ignored (every request generates exactly output-len tokens; ch
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
 small bucket table (warmup compile time is reported apart), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
-compiled step with the sampler, detokenization skipped as there is no tokenizer).
+step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
+no tokenizer).
 
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
