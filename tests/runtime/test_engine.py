@@ -241,7 +241,9 @@ def test_seeded_sampling_alone_equals_batch_and_preempted(engine, tiny, workload
     reqs = sampled_workload(workload)
     alone = {rid: run_one(engine, prompt, params) for rid, prompt, params in reqs}
     for eng in (engine, tiny):
-        results = run_workload(eng, reqs)
+        with CompileCounter() as compiles:  # every sampler program was compiled at warmup
+            results = run_workload(eng, reqs)
+        assert compiles.count == 0
         for rid, ref in alone.items():
             r, g = ref.outputs[0], results[rid].outputs[0]
             assert g.token_ids == r.token_ids, rid
