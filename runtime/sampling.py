@@ -23,6 +23,9 @@ every dispatch returns at once:
     pick_filtered  -> the same with top-k/top-p/min-p cutoffs          when some random row filters
     logprobs       -> of the raw logits, for the final tokens          when some row asked
 
+Loops whose trip count is known at compile time (threefry's rounds) do not wait on the host;
+tests/runtime/test_step.py checks every compiled program for conditionals and other loops.
+
 A plain greedy step is the model program alone. Four sampler programs per seq bucket (the two
 pick variants because the sort is most of the sampler's work; folding penalties or logprobs into
 variants instead would multiply the programs to compile).
