@@ -124,7 +124,7 @@ class StepExecutor:
 
     def __init__(
         self,
-        model_fn: Callable,  # model(params, kv_pages, flat, rows, layout) -> (logits, greedy tokens, kv_pages)
+        model_fn: Callable,  # model(params, kv_pages, flat, rows, prev, layout) -> (logits, greedy tokens, kv_pages)
         *,
         params,
         kv_pages,
@@ -146,12 +146,16 @@ class StepExecutor:
         self._model = jax.jit(
             model_fn,
             donate_argnums=(1,),
-            static_argnums=(4,),  # layout
-            in_shardings=(param_shardings, kv_sharding, rep, rep),
+            static_argnums=(5,),  # layout
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
+        # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
+        self.slots = table.seq_buckets[-1]
+        self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
         self._samplers = {
-            name: (jax.jit(p.fn, out_shardings=rep), p.args) for name, p in sampler_programs(max_logprobs).items()
+            name: (jax.jit(p.fn, out_shardings=rep), p.args)
+            for name, p in sampler_programs(max_logprobs, self.slots).items()
         }
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
         self._abstract_kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in kv_pages)
@@ -177,11 +181,11 @@ class StepExecutor:
             _, T, S = key
             b = self._empty_batch(T, S)
             return self._model.lower(self._abstract_params, self._abstract_kv, self._abstract(b.flat),
-                                     self._abstract(b.rows), b.layout)
+                                     self._abstract(b.rows), self._abstract(self._no_prev), b.layout)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=np.zeros((S, self._vocab_size), np.float32), rows=b.rows, history=b.history,
-                      tokens=np.zeros(S, np.int32))
+                      tokens=self._no_prev)
         fn, args = self._samplers[name]
         return fn.lower(*(self._abstract(shapes[a]) for a in args))
 
@@ -219,15 +223,17 @@ class StepExecutor:
         exe = self._executables[key] = self._lower(key).compile()
         return exe
 
-    def __call__(self, params, kv_pages, batch: PackedBatch):
+    def __call__(self, params, kv_pages, batch: PackedBatch, prev_tokens: jax.Array | None = None):
         """Dispatch one step: the model program, then the sampler programs `batch.needs` asks for
-        (runtime/sampling.py). Asynchronous: returns (tokens i32[S], Logprobs or None when no row
-        asked, kv_pages) as futures at once."""
+        (runtime/sampling.py). Asynchronous: returns (tokens i32[slots], Logprobs or None when no
+        row asked, kv_pages) as futures at once. `prev_tokens`: the tokens a previous call returned,
+        which input tokens -(i + 1) of `batch` stand for (lookahead; runtime/engine.py)."""
         T, S = batch.layout.T, batch.layout.S
         model = self._executable(("model", T, S))
         host = (batch.flat, batch.rows, batch.history) if batch.needs.penalties else (batch.flat, batch.rows)
         flat, rows, *history = jax.device_put(host, self._batch_sharding)
-        logits, greedy, kv_pages = model(params, kv_pages, flat, rows)
+        prev = self._no_prev if prev_tokens is None else prev_tokens
+        logits, greedy, kv_pages = model(params, kv_pages, flat, rows, prev)
         tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy, rows,
                                        history[0] if history else None, batch.needs)
         return tokens, logprobs, kv_pages

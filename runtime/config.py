@@ -21,12 +21,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` (or the budget, when smaller), ending at the budget itself."""
+    """1 (a single decode: batch-1 latency, one program with the seq bucket 1), then powers of two
+    from `smallest` (or the budget, when smaller), ending at the budget itself. On an H200 a batch-1
+    decode step of llama3_8b took 4.31 ms in a bucket of 1 token, 4.61 ms in one of 16."""
     out, b = [], min(smallest, max_num_batched_tokens)
     while b < max_num_batched_tokens:
         out.append(b)
         b *= 2
-    return tuple(out + [max_num_batched_tokens])
+    return tuple(sorted({1, *out, max_num_batched_tokens}))
 
 
 def default_seq_buckets(max_num_seqs: int) -> tuple[int, ...]:

@@ -1,27 +1,33 @@
 """The engine: ties the scheduler, the compiled step and the output streams together.
 
-One `step()` call (H = host, D = device):
+One `step()` call (H = host, D = device), with step k in flight on the device:
 
-    H  finish step k-1: wait for its sampled tokens, scheduler.update_from_output, append them to
-       the penalty histories (the next pack reads them)
-    H  plan step k (scheduler.step), fork n > 1 requests whose prompt completes in it, pack the
-       plan into numpy arrays, dispatch the step's programs         -> D runs step k
-    H  while D runs step k: emit the outputs of step k-1 (incremental detokenization, stop-string
-       matching, RequestOutput objects) and return them; the caller's own work (the async engine
-       pushing outputs into asyncio queues and taking in new requests and cancellations,
-       LLM.generate's progress bar) also runs while D computes step k.
+    H  plan step k+1 (scheduler.step), fork n > 1 requests whose prompt completes in it, pack the
+       plan into numpy arrays, dispatch its programs                -> D runs step k+1 after k
+    H  while D runs: wait for step k's tokens, scheduler.resolve (stops by EOS and stop ids),
+       append them to the penalty histories; apply step k+1 to the scheduler without its tokens
+       (update_from_output(plan, None): placeholders, stops by length); emit the outputs of step
+       k (incremental detokenization, stop-string matching, RequestOutput objects) and return
+       them; the caller's own work (the async engine pushing outputs into asyncio queues and
+       taking in new requests and cancellations, LLM.generate's progress bar) also runs then.
 
-JAX dispatch is asynchronous, so "dispatch" returns futures at once; the next step() blocks on
-them. That holds only because the step programs never make the host wait for the device: no
+Lookahead: step k+1 is planned and dispatched before the host has step k's tokens, so the
+device always has the next step queued and the host's work (including the launch of the step's
+programs) hides behind the device. A decode whose input is step k's token carries a placeholder
+that the model program replaces with row i of step k's token output, on the device
+(runtime/step.py). The scheduler plans from token counts, which it knows; a request that turns
+out to have stopped at step k (EOS, stop id) wastes its row of step k+1, which resolve discards.
+Penalties need a row's previous token on the host (its history), so while any live request has
+penalties the engine resolves step k before planning k+1, as it would without lookahead.
+
+That holds only because the step programs never make the host wait for the device: no
 `lax.cond` on device values (XLA's GPU runtime copies a cond's predicate to the host and waits for
 it), no data-dependent loops. Which sampling work runs is chosen on the host, by the packer, as
 a choice of programs (runtime/sampling.py): a greedy step is one dispatch, the model program.
-What is not overlapped: update, scheduling and packing of step k+1 need step k's tokens
-(the scheduler decides stops and page needs from them), so the device idles for that host time.
 
-A stop string is matched one step late (after step k was dispatched): the request then wastes
-one token of step k, which the scheduler discards (it skips requests that finished after the plan
-was made). Requests finished by EOS, stop ids or length finish at update time. Cancelling
+A stop string is matched late (after steps k+1 and k+2 were dispatched): the request then wastes
+up to two tokens, which the scheduler discards (it skips requests that finished after the plan
+was made). Requests finished by EOS or stop ids finish at resolve time, by length at once. Cancelling
 (`abort`) releases the request's pages at once, even while a step that uses them is in flight:
 the next step that could reuse them runs after it on the device (kv_pages is threaded through).
 
@@ -305,16 +311,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration (see the module docstring); returns the outputs it produced."""
         with self._watcher.watch():
-            if self._inflight is not None:
-                self._finish_inflight()
+            if self._inflight is not None and any(s.sampling.history is not None for s in self._seqs.values()):
+                self._finish_inflight()  # penalties: the next pack needs the in-flight tokens
             plan = self.scheduler.step()
+            dispatched = None
             if not plan.is_empty:
                 self._fork(plan)
                 batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
-                tokens, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch)
-                self._inflight = (plan, tokens, logprobs)
+                prev = self._inflight[1] if self._inflight is not None else None
+                tokens, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev)
+                dispatched = (plan, tokens, logprobs)
                 self._counts["steps"] += 1
-            outputs = self._emit()  # overlaps the device step just dispatched
+            if self._inflight is not None:
+                self._finish_inflight()  # overlaps the step just dispatched
+            if dispatched is not None:
+                self.scheduler.update_from_output(plan, None)
+                for s in plan.seqs:  # count the token now: packing min_tokens bans reads the count
+                    if s.sample and s.request_id in self._seqs:
+                        self._seqs[s.request_id].sampling.num_output += 1
+                self._inflight = dispatched
+            outputs = self._emit()
             self._check_compiles()
         return outputs
 
@@ -340,8 +356,10 @@ class Engine:
         if logprobs is not None:  # some row asked (the step ran the logprobs program)
             lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
                   np.asarray(logprobs.top_logprobs)[:n])
-        for u in self.scheduler.update_from_output(plan, sampled):
-            seq = self._seqs[u.request_id]
+        for u in self.scheduler.resolve(sampled):
+            seq = self._seqs.get(u.request_id)
+            if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
+                continue
             seq.sampling.append(u.token_id)
             row = None
             if lp is not None and seq.logprobs is not None:

@@ -42,6 +42,10 @@ which programs its neighbours made the step run):
     row (they all keep a prefix of the sorted order), then `logit >= cutoff` masks the row. Ties
     at the cutoff are all kept, which is deterministic.
 
+Tokens leave every program as i32[slots] (slots = the largest seq bucket, rows past S padding):
+one shape whatever the bucket, so the next step's model program can take a step's tokens as an
+input and read a decode's input token from them on the device (lookahead, runtime/engine.py).
+
 Per-row inputs travel as one i32[S, K] `rows` buffer (f32 and u32 fields as their bit patterns),
 so a step ships one array for sampling rather than one per field; `sampling_rows` names its
 columns, as numpy views on the host and as static slices inside a program.
@@ -217,15 +221,20 @@ def _cutoffs(scaled: jax.Array, b: SamplingBatch) -> jax.Array:  # f32[S, V] -> 
 # -- the sampler programs: arrays in, arrays out; rows i32[S, K] as built by `empty_rows` --------
 
 
-def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """f32[S, V], i32[S, K], i32[S, W] -> penalized logits f32[S, V] and their greedy tokens i32[S]."""
+def pad_slots(tokens: jax.Array, slots: int) -> jax.Array:
+    """i32[S] -> i32[slots]: every program's tokens have the one shape the next step reads them in."""
+    return jnp.pad(tokens, (0, slots - tokens.shape[0]))
+
+
+def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, *, slots: int) -> tuple[jax.Array, jax.Array]:
+    """f32[S, V], i32[S, K], i32[S, W] -> penalized logits f32[S, V] and their greedy tokens i32[slots]."""
     b = sampling_rows(rows)
     logits = apply_penalties(logits, b, history)
-    return logits, greedy(logits, b.banned)
+    return logits, pad_slots(greedy(logits, b.banned), slots)
 
 
-def pick(logits: jax.Array, rows: jax.Array, *, filters: bool) -> jax.Array:
-    """f32[S, V], i32[S, K] -> tokens i32[S]: random rows drawn, greedy rows their argmax. Without
+def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> jax.Array:
+    """f32[S, V], i32[S, K] -> tokens i32[slots]: random rows drawn, greedy rows their argmax. Without
     `filters` every row keeps its whole distribution (top-k, top-p and min-p must be off)."""
     S, V = logits.shape
     b = sampling_rows(rows)
@@ -236,14 +245,15 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool) -> jax.Array:
         scaled = jnp.where(scaled >= _cutoffs(scaled, b), scaled, -jnp.inf)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))
     drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return pad_slots(jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32)), slots)
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logprobs:
-    """Raw logits f32[S, V], tokens i32[S] -> the tokens' logprobs and the top max_logprobs."""
+    """Raw logits f32[S, V], tokens i32[slots] (rows past S are padding) -> the tokens' logprobs
+    and the top max_logprobs."""
     S = logits.shape[0]
     lp = jax.nn.log_softmax(logits, axis=-1)
-    sampled = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    sampled = jnp.take_along_axis(lp, tokens[:S, None], axis=-1)[:, 0]
     if max_logprobs == 0:
         return Logprobs(sampled, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
     top_lp, top_ids = jax.lax.top_k(lp, max_logprobs)
@@ -252,25 +262,26 @@ def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logp
 
 class SamplerProgram(NamedTuple):
     fn: Callable
-    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[S]
+    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[slots]
 
 
 @functools.cache
-def sampler_programs(max_logprobs: int) -> dict[str, SamplerProgram]:
-    """The sampler programs by name. Cached: JAX caches traces and executables per function object,
-    so engines in one process compile each shape once between them."""
+def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]:
+    """The sampler programs by name; their tokens are i32[slots] (`pad_slots`). Cached: JAX caches
+    traces and executables per function object, so engines in one process compile each shape once
+    between them."""
     return {
-        "penalize": SamplerProgram(penalize, ("logits", "rows", "history")),
-        "pick": SamplerProgram(functools.partial(pick, filters=False), ("logits", "rows")),
-        "pick_filtered": SamplerProgram(functools.partial(pick, filters=True), ("logits", "rows")),
+        "penalize": SamplerProgram(functools.partial(penalize, slots=slots), ("logits", "rows", "history")),
+        "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
+        "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
         "logprobs": SamplerProgram(functools.partial(logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
     }
 
 
 def run_sampler(call: Callable, logits, greedy_tokens, rows, history, needs: SamplingNeeds):
     """The sampler programs one step needs, in order: `call(name, *args)` runs program `name`.
-    logits: the model's raw f32[S, V]; greedy_tokens: i32[S], `greedy` of them; history: i32[S, W]
-    (None unless needs.penalties). -> (tokens i32[S], Logprobs or None when no row asked)."""
+    logits: the model's raw f32[S, V]; greedy_tokens: i32[slots], `greedy` of them; history:
+    i32[S, W] (None unless needs.penalties). -> (tokens i32[slots], Logprobs or None when no row asked)."""
     x, tokens = logits, greedy_tokens
     if needs.penalties:
         x, tokens = call("penalize", logits, rows, history)

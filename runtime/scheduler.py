@@ -365,6 +365,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def awaiting_tokens(self) -> bool:
+        """A step was applied without its tokens and awaits resolve(tokens)."""
+        return self._unresolved is not None
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> StepPlan:
         if self._outstanding is not None:

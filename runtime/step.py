@@ -29,7 +29,7 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingBatch, SamplingNeeds, empty_rows, greedy, sampling_rows, split_seed
+from runtime.sampling import SamplingBatch, SamplingNeeds, empty_rows, greedy, pad_slots, sampling_rows, split_seed
 from runtime.scheduler import StepPlan
 
 
@@ -86,10 +86,12 @@ class PackedBatch:
 
 
 def make_model_fn(forward: Callable) -> Callable:
-    """model(params, kv_pages, flat, rows, layout) -> (logits f32[S, V], greedy tokens i32[S],
-    kv_pages): the model program of a bucket; the greedy tokens make a plain greedy step one
-    dispatch. Jit it with kv_pages (argument 1) donated and layout (argument 4) static; see
-    runtime/compilation.py.
+    """model(params, kv_pages, flat, rows, prev, layout) -> (logits f32[S, V], greedy tokens
+    i32[slots], kv_pages): the model program of a bucket; the greedy tokens make a plain greedy
+    step one dispatch. Jit it with kv_pages (argument 1) donated and layout (argument 5) static;
+    see runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input token
+    -(i + 1) stands for its row i, sampled but not yet seen by the host (lookahead,
+    runtime/engine.py).
 
     One function object per forward, kept on the forward function itself: JAX caches traces,
     lowerings and executables per function object, so engines over the same loaded model (several
@@ -105,11 +107,12 @@ def make_model_fn(forward: Callable) -> Callable:
 
 
 def _build_model_fn(forward: Callable) -> Callable:
-    def model(params, kv_pages, flat, rows, layout: StepLayout):
+    def model(params, kv_pages, flat, rows, prev, layout: StepLayout):
         b = layout.unflatten(flat)
-        logits, kv_pages = forward(params, b.tokens, b.positions, kv_pages, b.attn, b.logits_indices)
+        tokens = jnp.where(b.tokens < 0, prev[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
+        logits, kv_pages = forward(params, tokens, b.positions, kv_pages, b.attn, b.logits_indices)
         logits = logits.astype(jnp.float32)
-        return logits, greedy(logits, sampling_rows(rows).banned), kv_pages
+        return logits, pad_slots(greedy(logits, sampling_rows(rows).banned), prev.shape[0]), kv_pages
 
     return model
 
@@ -138,7 +141,8 @@ class SeqSampling:
         return s
 
     def append(self, token: int) -> None:
-        self.num_output += 1
+        """A sampled token, once the host has it (num_output already counts it: the engine counts a
+        token when its step is applied, before the token is known; see runtime/engine.py)."""
         if self.history is not None and self.history_len < len(self.history):
             self.history[self.history_len] = token
             self.history_len += 1

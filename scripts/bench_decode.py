@@ -244,7 +244,7 @@ def run_child(args) -> dict:
                    "floor_s": bytes_step / bw}
             hb = make_batch(B)
             db = jax.device_put(hb.step, ex._batch_sharding)  # the model column's arguments
-            dflat = jax.device_put((hb.flat, hb.rows), ex._batch_sharding)  # the step column's
+            dflat = (*jax.device_put((hb.flat, hb.rows), ex._batch_sharding), ex._no_prev)  # the step column's
             measured, disp = {}, {}
             if ("model", B) in compiled:
                 exe = compiled[("model", B)]

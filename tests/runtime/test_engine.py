@@ -302,6 +302,32 @@ def test_eos_min_tokens_and_ignore_eos(model, engine, workload):
         e.close()
 
 
+def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, workload):
+    """Decode steps are planned while the previous step's tokens are still on the device, with the
+    min_tokens count already including them; with penalties the engine resolves first."""
+    _, prompt, _ = workload[1]
+    sched, packer, seen = engine.scheduler, engine.packer, []
+
+    def pack(plan, sampling):
+        for s in plan.seqs:
+            if s.sample:
+                req = sched.get_request(s.request_id)
+                seen.append((sched.awaiting_tokens, sampling(s.request_id).num_output == req.num_output_tokens))
+        return type(packer).pack(packer, plan, sampling)
+
+    packer.pack = pack
+    try:
+        run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8, stop_token_ids=[1, 2]))
+        assert all(counted for _, counted in seen) and len(seen) == 20
+        assert sum(ahead for ahead, _ in seen) == 19  # every step but the prefill
+        seen.clear()
+        run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3))
+        assert len(seen) == 20 and not any(ahead for ahead, _ in seen)
+    finally:
+        del packer.pack
+    check_idle(engine)
+
+
 def test_rejects_requests_that_can_never_run(engine):
     with pytest.raises(ValueError, match=r"250 tokens \+ max_tokens 10 = 260 tokens; max_model_len is 256"):
         engine.add_request([5] * 250, SamplingParams(max_tokens=10))

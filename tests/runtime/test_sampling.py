@@ -10,16 +10,18 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.sampling import SamplingNeeds, empty_rows, greedy, run_sampler, sampler_programs, sampling_rows, split_seed
+from runtime.sampling import (SamplingNeeds, empty_rows, greedy, pad_slots, run_sampler, sampler_programs, sampling_rows,
+                              split_seed)
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
+SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens are padded to it
 
 
 @functools.cache
-def programs(max_logprobs: int = M):
-    jitted = {name: jax.jit(p.fn) for name, p in sampler_programs(max_logprobs).items()}
+def programs(max_logprobs: int = M, slots: int = SLOTS):
+    jitted = {name: jax.jit(p.fn) for name, p in sampler_programs(max_logprobs, slots).items()}
     # the tail of the model program (runtime/step.py): the greedy tokens of the raw logits
-    jitted["greedy"] = jax.jit(lambda logits, rows: greedy(logits, sampling_rows(rows).banned))
+    jitted["greedy"] = jax.jit(lambda logits, rows: pad_slots(greedy(logits, sampling_rows(rows).banned), slots))
     return jitted
 
 
@@ -35,7 +37,8 @@ def batch(rows: int = S, **fields) -> np.ndarray:
 def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprobs=M):
     """Tokens and logprobs (None when not asked) as the executor runs the programs. needs:
     default what the rows need, as the packer decides; a caller may switch on more."""
-    p = programs(max_logprobs)
+    slots = max(SLOTS, len(rows))
+    p = programs(max_logprobs, slots)
     logits = np.asarray(logits, np.float32)
     if needs is None:
         needs = SamplingNeeds.of(rows, logprobs=logprobs)
@@ -43,7 +46,9 @@ def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprob
         history = np.full((len(rows), W), -1, np.int32)
     tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history,
                              needs)
-    return np.asarray(tokens), None if lp is None else jax.tree.map(np.asarray, lp)
+    tokens = np.asarray(tokens)
+    assert tokens.shape == (slots,) and not tokens[len(rows):].any()  # padding rows are 0
+    return tokens[: len(rows)], None if lp is None else jax.tree.map(np.asarray, lp)
 
 
 def random_logits(rng, rows=S, scale=3.0):

@@ -50,11 +50,11 @@ def test_bucket_table_selects_smallest_and_skips_unreachable_pairs():
 
 
 def test_engine_config_defaults_and_validation():
-    assert default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
-    assert default_token_buckets(100) == (16, 32, 64, 100)
+    assert default_token_buckets(512) == (1, 16, 32, 64, 128, 256, 512)
+    assert default_token_buckets(100) == (1, 16, 32, 64, 100)
     assert default_seq_buckets(32) == (1, 4, 16, 32)
     c = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    assert c.token_bucket_table == (16, 32, 64) and c.seq_bucket_table == (1, 4, 8)
+    assert c.token_bucket_table == (1, 16, 32, 64) and c.seq_bucket_table == (1, 4, 8)
     r = c.resolve(max_position_embeddings=512, num_pages=100)
     assert (r.max_model_len, r.num_pages, r.max_pages_per_seq) == (512, 100, 32)
     with pytest.raises(ValueError, match="max_model_len 1024 exceeds the model's max_position_embeddings 512"):
@@ -80,6 +80,7 @@ def test_packer_lays_out_plan_and_padding():
                        min_tokens=2, stop_token_ids=[9]),
         2**40 + 3, [4, 5, 6], eos_ids=[2], history_len=W,
     )
+    fancy.num_output += 1  # the engine counts a token when its step is applied, then appends it once known
     fancy.append(11)
     table = {"d": greedy, "p": fancy}
     plan = plan_of(
@@ -114,6 +115,7 @@ def test_packer_lays_out_plan_and_padding():
     np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])  # 1 output < min_tokens 2: EOS and stop id
     assert (sb.banned[[0, 2, 3]] == -1).all()
     assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True)
+    fancy.num_output += 1
     fancy.append(12)  # 2 outputs: min_tokens reached, nothing banned
     assert (packer.pack(plan, table.__getitem__).sampling.banned == -1).all()
     # Without a penalized row the [S, W] history is not built (the penalize program does not run).
