@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from benchlib import git_commit
+from benchlib import copy_bandwidth, git_commit, matmul_flops
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,19 +55,9 @@ def time_call(f, *args, min_rep_s: float = 0.05, reps: int = 7) -> float:
 
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written / s) and bf16 8192^3 matmul TFLOP/s."""
-    key = jax.random.key(0)
-    n = 1 << 28  # 1 GiB of f32
-    x = jax.random.normal(key, (n,), jnp.float32)
-    copy = jax.jit(lambda a: a * 2.0)
-    t_copy = time_call(copy, x)
-    del x
-    m = 8192
-    a = jax.random.normal(key, (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (m, m), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    t_mm = time_call(mm, a, b)
-    return {"copy_bytes_per_s": 2 * n * 4 / t_copy, "copy_gbytes": 2 * n * 4 / 1e9, "copy_s": t_copy,
-            "matmul_tflops": 2 * m ** 3 / t_mm / 1e12, "matmul_s": t_mm}
+    c, m = copy_bandwidth(), matmul_flops()
+    return {"copy_bytes_per_s": c["copy_bytes_per_s"], "copy_gbytes": c["copy_bytes"] / 1e9, "copy_s": c["copy_s"],
+            "matmul_tflops": m["matmul_flops_per_s"] / 1e12, "matmul_s": m["matmul_s"]}
 
 
 def _prefill_impls(sm_scale: float, variants: bool):

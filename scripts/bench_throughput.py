@@ -2,7 +2,7 @@
 the same model shape, the same random prompts and the same GPU, in one run.
 
   python3 scripts/bench_throughput.py --out throughput.json            # llama3_2_1b, 256 x (512 in / 256 out)
-  python3 scripts/bench_throughput.py --model smollm2_135m --num-prompts 8 --input-len 32 --output-len 16 \
+  python3 scripts/bench_throughput.py --model smollm2_135m --num-prompts 8 --input-len 32 --output-len 16 --max-num-seqs 8 \
       --max-num-batched-tokens 256 --token-buckets 16 256 --seq-buckets 8 --hf-batch 8      # CPU smoke test
 
 Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `--output-len` tokens
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -40,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import git_commit  # noqa: E402
+from benchlib import copy_bandwidth, git_commit, matmul_flops  # noqa: E402
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -86,7 +87,7 @@ def run_xla(args) -> dict:
     bad = [i for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len]
     eng.check_invariants()
     dev = jax.devices()[0]
-    return {
+    res = {
         "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
         "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": eng.config.num_pages,
@@ -97,6 +98,41 @@ def run_xla(args) -> dict:
         "prefill_tokens": st2.prefill_tokens - st1.prefill_tokens,
         "compiles_after_warmup": st2.num_compiles_after_warmup,
     }
+    del llm, eng  # the KV pool: room for the ceiling measurements
+    gc.collect()
+    res.update(physical_floor(mc, args, copy_bandwidth()["copy_bytes_per_s"], matmul_flops()["matmul_flops_per_s"]))
+    return res
+
+
+def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
+    """The least time any engine needs for the workload on this device, from two ceilings measured
+    in the same process: prefill is compute (2 FLOPs per weight per prompt token, the LM head only
+    for each prompt's last token, plus causal attention's QK and PV), at the bf16 matmul rate;
+    each decode step moves the weights it reads and every K/V row of the batch's contexts at copy
+    bandwidth, or computes 2 FLOPs per weight per sequence, whichever takes longer. Sequences
+    decode max_num_seqs at a time (waves), K/V in bf16; the embedding table is not read at decode
+    (B rows gathered) unless tied (the LM head)."""
+    D, V, L = mc.hidden_size, mc.vocab_size, mc.num_layers
+    head = V * D
+    body = mc.num_params - head * (1 if mc.tie_word_embeddings else 2)  # the layers' weights
+    n, T_in, T_out = args.num_prompts, args.input_len, args.output_len
+    attn_prefill = 4 * L * mc.num_heads * mc.head_dim * (T_in * (T_in + 1) / 2)  # QK and PV, causal
+    prefill_flops = n * (2 * body * T_in + 2 * head + attn_prefill)
+    prefill_s = prefill_flops / matmul_flops_per_s
+    weights_read = 2 * (body + head)  # bf16, every decode step
+    kv_tok = mc.kv_bytes_per_token(2)
+    decode_s = 0.0
+    for start in range(0, n, args.max_num_seqs):
+        B = min(args.max_num_seqs, n - start)
+        for i in range(1, T_out):  # the first output token comes from the prefill
+            ctx = T_in + i
+            t_mem = (weights_read + B * (ctx + 1) * kv_tok) / copy_bytes_per_s
+            t_cmp = 2 * (body + head) * B / matmul_flops_per_s
+            decode_s += max(t_mem, t_cmp)
+    floor_s = prefill_s + decode_s
+    return {"floor_s": floor_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
+            "floor_output_tok_s": n * T_out / floor_s, "copy_bytes_per_s": copy_bytes_per_s,
+            "matmul_flops_per_s": matmul_flops_per_s}
 
 
 def run_hf(args) -> dict:
@@ -228,8 +264,15 @@ def main() -> None:
               f"{h['transformers']} |")
     elif "hf" in result:
         print(f"| HF | failed: {h.get('error')} |")
+    if "floor_output_tok_s" in x:
+        print(f"| physical floor (this device's copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+              f"{x['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) | {x['device']} | {x['floor_output_tok_s']:,.0f} | - | "
+              f"{x['floor_s']:.2f} | prefill {x['floor_prefill_s']:.2f} s + decode {x['floor_decode_s']:.2f} s |")
     if "ratio_output_tok_s" in result:
         print(f"ratio xlaserve / HF (output tok/s): {result['ratio_output_tok_s']:.2f}x")
+    if "floor_output_tok_s" in x:
+        print(f"xlaserve at {x['output_tok_s'] / x['floor_output_tok_s']:.0%} of the floor"
+              + (f"; the floor is {x['floor_output_tok_s'] / h['output_tok_s']:.2f}x HF" if "output_tok_s" in h else ""))
 
 
 if __name__ == "__main__":

@@ -43,3 +43,24 @@ def copy_bandwidth(n: int = 1 << 28) -> dict:
     del x, y
     t = statistics.median(times)
     return {"copy_bytes_per_s": 2 * n * 4 / t, "copy_bytes": 2 * n * 4, "copy_s": t}
+
+
+def matmul_flops(m: int = 8192) -> dict:
+    """bf16 m^3 matmul rate through XLA (FLOP/s): the compute ceiling. Median of 7 runs of 10 calls."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (m, m), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(f(a, b))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y = f(a, b)
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / 10)
+    t = statistics.median(times)
+    return {"matmul_flops_per_s": 2 * m**3 / t, "matmul_s": t}
