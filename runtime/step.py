@@ -86,10 +86,11 @@ class PackedBatch:
 
 
 def make_model_fn(forward: Callable) -> Callable:
-    """model(params, kv_pages, flat, rows, prev, layout) -> (logits f32[S, V], greedy tokens
-    i32[slots], kv_pages): the model program of a bucket; the greedy tokens make a plain greedy
-    step one dispatch. Jit it with kv_pages (argument 1) donated and layout (argument 5) static;
-    see runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input token
+    """model(param_leaves, kv_pages, flat, rows, prev, layout, treedef) -> (logits f32[S, V],
+    greedy tokens i32[slots], kv_pages): the model program of a bucket, the parameters as the list
+    of leaves of `treedef`; the greedy tokens make a plain greedy step one dispatch. Jit it with
+    kv_pages (argument 1) donated and layout, treedef (arguments 5, 6) static; see
+    runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input token
     -(i + 1) stands for its row i, sampled but not yet seen by the host (lookahead,
     runtime/engine.py).
 
@@ -107,7 +108,8 @@ def make_model_fn(forward: Callable) -> Callable:
 
 
 def _build_model_fn(forward: Callable) -> Callable:
-    def model(params, kv_pages, flat, rows, prev, layout: StepLayout):
+    def model(param_leaves, kv_pages, flat, rows, prev, layout: StepLayout, treedef):
+        params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
         tokens = jnp.where(b.tokens < 0, prev[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
         logits, kv_pages = forward(params, tokens, b.positions, kv_pages, b.attn, b.logits_indices)

@@ -256,7 +256,7 @@ def run_child(args) -> dict:
             exe = compiled[("step", B)]
 
             def call(kv, exe=exe, dflat=dflat):
-                return exe(loaded.params, kv, *dflat)[2]
+                return exe(ex._param_leaves, kv, *dflat)[2]
 
             measured["step"], kv, disp["step"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
 
@@ -279,7 +279,7 @@ def run_child(args) -> dict:
                             return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
                     else:
                         def call(kv, exe=exe, dflat=dflat):
-                            return exe(loaded.params, kv, *dflat)[2]
+                            return exe(ex._param_leaves, kv, *dflat)[2]
                     try:
                         prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_{k}")
                     except Exception as e:  # a failed trace is a result, not a crash
