@@ -308,8 +308,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self._inflight is not None or bool(self._pending) or bool(self._ready)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine iteration (see the module docstring); returns the outputs it produced."""
+    def step(self, *, partial: bool = True) -> list[RequestOutput]:
+        """Run one engine iteration (see the module docstring); returns the outputs it produced.
+        partial=False returns only the requests that finished (offline use: building a running
+        request's output copies its prompt and tokens, every step, for every request)."""
         with self._watcher.watch():
             if self._inflight is not None and any(s.sampling.history is not None for s in self._seqs.values()):
                 self._finish_inflight()  # penalties: the next pack needs the in-flight tokens
@@ -330,7 +332,7 @@ class Engine:
                     if s.sample and s.request_id in self._seqs:
                         self._seqs[s.request_id].sampling.num_output += 1
                 self._inflight = dispatched
-            outputs = self._emit()
+            outputs = self._emit(partial)
             self._check_compiles()
         return outputs
 
@@ -372,7 +374,7 @@ class Engine:
             if u.finish_reason is not None:
                 del self._seqs[u.request_id]
 
-    def _emit(self) -> list[RequestOutput]:
+    def _emit(self, partial: bool) -> list[RequestOutput]:
         touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
         self._ready = []
         pending, self._pending = self._pending, []
@@ -398,7 +400,7 @@ class Engine:
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
             touched[seq.group.request_id] = seq.group
-        return [self._output(g) for g in touched.values()]
+        return [self._output(g) for g in touched.values() if partial or g.finished]
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -135,7 +135,7 @@ class LLM:
         show = engine.config.progress if use_tqdm is None else use_tqdm
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not show) as bar:
             while engine.has_unfinished():
-                for out in engine.step():
+                for out in engine.step(partial=False):
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
