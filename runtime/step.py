@@ -20,6 +20,7 @@ slot, so the LM head and the sampler run on [S, V] rather than [T, V].
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -199,17 +200,22 @@ class BatchPacker:
             m.cu_q_lens[n + 1 :] = cu[-1]
             b.logits_indices[:n] = cu - 1
             m.kv_lens[:n] = [seq.num_computed_after for seq in seqs]
-        off = 0
-        for i, seq in enumerate(seqs):
+        # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
+        d = plan.num_decode_tokens
+        if d:
+            b.tokens[:d] = [seq.token_ids[0] for seq in seqs[:d]]
+            b.positions[:d] = [seq.start_pos for seq in seqs[:d]]
+        off = d
+        for seq in seqs[d:]:
             q = seq.q_len
-            if q == 1:
-                b.tokens[off] = seq.token_ids[0]
-                b.positions[off] = seq.start_pos
-            else:
-                b.tokens[off : off + q] = seq.token_ids
-                b.positions[off : off + q] = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int32)
-            m.page_indices[i, : len(seq.pages)] = seq.pages
+            b.tokens[off : off + q] = seq.token_ids
+            b.positions[off : off + q] = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int32)
             off += q
+        if n:  # every sequence's page table in one scatter
+            lens = [len(seq.pages) for seq in seqs]
+            r = np.repeat(np.arange(n), lens)
+            c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
+            m.page_indices[r, c] = list(itertools.chain.from_iterable(seq.pages for seq in seqs))
         m.num_seqs[0] = n
         rows = [i for i, s in enumerate(samp) if s is not None]
         if not rows:
