@@ -322,6 +322,10 @@ class Engine:
                 batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
                 prev = self._inflight[1] if self._inflight is not None else None
                 tokens, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev)
+                # start the copy to the host now, ordered right after the step: reading the tokens
+                # later then waits for the step, not for a copy queued behind the next step's launch
+                # (H200, 1B batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
+                tokens.copy_to_host_async()
                 dispatched = (plan, tokens, logprobs)
                 self._counts["steps"] += 1
             if self._inflight is not None:
