@@ -328,6 +328,21 @@ def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, w
     check_idle(engine)
 
 
+def test_partial_false_returns_only_finished_outputs_with_all_their_tokens(engine, workload):
+    (_, p1, _), (_, p2, _) = workload[1], workload[2]
+    ref = [run_one(engine, p, SamplingParams(temperature=0.0, max_tokens=n)).outputs[0].token_ids
+           for p, n in ((p1, 5), (p2, 12))]
+    a = engine.add_request(p1, SamplingParams(temperature=0.0, max_tokens=5))
+    b = engine.add_request(p2, SamplingParams(temperature=0.0, max_tokens=12))
+    seen = []
+    while engine.has_unfinished():
+        seen += engine.step(partial=False)
+    assert [o.request_id for o in seen] == [a, b] and all(o.finished for o in seen)
+    for o, want in zip(seen, ref):  # the deltas cover everything, as no earlier output was built
+        assert o.outputs[0].token_ids == o.outputs[0].new_token_ids == want
+    check_idle(engine)
+
+
 def test_rejects_requests_that_can_never_run(engine):
     with pytest.raises(ValueError, match=r"250 tokens \+ max_tokens 10 = 260 tokens; max_model_len is 256"):
         engine.add_request([5] * 250, SamplingParams(max_tokens=10))
