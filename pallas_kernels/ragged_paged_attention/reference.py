@@ -47,12 +47,9 @@ def ref_write_kv_pages(
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq])
     page = page_indices[seq, jnp.clip(pos // G, 0, page_indices.shape[1] - 1)]
-    # Padding tokens get distinct slots past the pool (dropped by the scatter), so every index is
-    # unique: real tokens write distinct slots of pages their sequence alone holds. The promise lets
-    # XLA's GPU scatter store rows directly instead of through atomic read-modify-write loops.
-    slot = jnp.where(valid, page * G + pos % G, P * G + jnp.arange(T, dtype=jnp.int32))
+    slot = jnp.where(valid, page * G + pos % G, P * G)  # out of range -> dropped by the scatter
     new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_pages.dtype)
-    flat = kv_pages.reshape(P * G, K2, H).at[slot].set(new, mode="drop", unique_indices=True)
+    flat = kv_pages.reshape(P * G, K2, H).at[slot].set(new, mode="drop")
     return flat.reshape(P, G, K2, H)
 
 
