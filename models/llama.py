@@ -30,11 +30,6 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _matmul(x, w, precision, preferred_element_type=None):
-    """x [T, K] @ w [K, N]: every projection is a plain 2-D matmul (see LlamaModel for T = 1)."""
-    return jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
-
-
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
     init = init or nnx.initializers.normal(0.02)
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
@@ -72,9 +67,9 @@ class Attention(nnx.Module):
         # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]
         cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
         T, D = x.shape
-        q = _matmul(x, self.q_proj[...].astype(dt).reshape(D, -1), prec).reshape(T, cfg.num_heads, -1)
-        k = _matmul(x, self.k_proj[...].astype(dt).reshape(D, -1), prec).reshape(T, cfg.num_kv_heads, -1)
-        v = _matmul(x, self.v_proj[...].astype(dt).reshape(D, -1), prec).reshape(T, cfg.num_kv_heads, -1)
+        q = jnp.matmul(x, self.q_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_heads, -1)
+        k = jnp.matmul(x, self.k_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_kv_heads, -1)
+        v = jnp.matmul(x, self.v_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_kv_heads, -1)
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -90,7 +85,7 @@ class Attention(nnx.Module):
             q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
             implementation=self.attn_impl,
         )
-        return _matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), prec), kv_pages
+        return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
 
 
 class MLP(nnx.Module):
@@ -103,9 +98,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):  # [T, D]
         dt, prec = self.dtype, _precision(self.dtype)
-        g = _matmul(x, self.gate_proj[...].astype(dt), prec)
-        u = _matmul(x, self.up_proj[...].astype(dt), prec)
-        return _matmul(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), prec)
+        g = jnp.matmul(x, self.gate_proj[...].astype(dt), precision=prec)
+        u = jnp.matmul(x, self.up_proj[...].astype(dt), precision=prec)
+        return jnp.matmul(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), precision=prec)
 
 
 class DecoderLayer(nnx.Module):
@@ -174,7 +169,8 @@ class LlamaModel(nnx.Module):
             x = jnp.take(x, logits_indices, axis=0)
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = _matmul(x, head.astype(self.dtype), _precision(self.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.matmul(x, head.astype(self.dtype), precision=_precision(self.dtype),
+                            preferred_element_type=jnp.float32)
         return logits, tuple(new_pages)
 
 

@@ -161,7 +161,8 @@ class StepExecutor:
             name: (jax.jit(p.fn, out_shardings=rep), p.args)
             for name, p in sampler_programs(max_logprobs, self.slots).items()
         }
-        self._abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._param_leaves]
+        self._abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                 for x in self._param_leaves]
         self._abstract_kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in kv_pages)
         # ("model", T, S) or (sampler program name, S) -> Compiled
         self._executables: dict[tuple, object] = {}
@@ -189,8 +190,8 @@ class StepExecutor:
                                      self._param_treedef)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
-        shapes = dict(logits=np.zeros((S, self._vocab_size), np.float32), rows=b.rows, history=b.history,
-                      tokens=self._no_prev)
+        shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
+                      history=b.history, tokens=self._no_prev)
         fn, args = self._samplers[name]
         return fn.lower(*(self._abstract(shapes[a]) for a in args))
 

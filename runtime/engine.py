@@ -357,11 +357,11 @@ class Engine:
         self._inflight = None
         n = plan.num_seqs
         sampled = np.asarray(tokens)[:n]  # blocks until the device has run the step
-        rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
         lp = None
         if logprobs is not None:  # some row asked (the step ran the logprobs program)
             lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
                   np.asarray(logprobs.top_logprobs)[:n])
+            rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
         for u in self.scheduler.resolve(sampled):
             seq = self._seqs.get(u.request_id)
             if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
