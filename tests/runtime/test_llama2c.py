@@ -134,7 +134,13 @@ def test_exported_model_vs_hf(shared, tmp_path):
     ours = greedy_generate(loaded, prompt, 16)
     atol, rtol = MODEL_LOGITS_F32
     np.testing.assert_allclose(ours.prompt_logits, ref, atol=atol, rtol=rtol)
-    assert ours.tokens == hf_greedy(model, prompt, 16)[0]
+    # Greedy tokens must agree up to the reference's first near-tie: with logits within atol, a
+    # top-2 gap over 2 * atol forces the same argmax; below it float reassociation may flip it.
+    ref_tokens, ref_logits = hf_greedy(model, prompt, 16)
+    top2 = -np.sort(-ref_logits, axis=-1)[:, :2]
+    ties = np.flatnonzero(top2[:, 0] - top2[:, 1] <= 2 * atol)
+    n = int(ties[0]) if len(ties) else len(ref_tokens)
+    assert ours.tokens[:n] == ref_tokens[:n]
 
 
 # ------------------------------------------------------------------------------------ bad input
