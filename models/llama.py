@@ -80,7 +80,7 @@ class Attention(nnx.Module):
         if self.kv_repeat > 1:  # KV heads fewer than the tensor axis: store each head kv_repeat times
             k = jnp.repeat(k, self.kv_repeat, axis=1)
             v = jnp.repeat(v, self.kv_repeat, axis=1)
-        kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta)
+        kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta, implementation=self.attn_impl)
         o = dispatch.ragged_paged_attention(
             q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
             implementation=self.attn_impl,

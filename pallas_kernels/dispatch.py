@@ -50,10 +50,21 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                                        implementation=implementation)
 
 
-def write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs) -> jax.Array:
-    """Scatter this step's new K/V into their page slots (one XLA scatter on every backend: it
-    writes only the step's T rows and is in place when the caller donates kv_pages)."""
-    return _rpa.ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
+def write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                   implementation: str = "auto") -> jax.Array:
+    """Write this step's new K/V into their page slots; in place when the caller donates kv_pages.
+
+    implementation: the one the model resolved for attention (select_attention_impl), so the write
+    runs where the cache lives: "gpu" -> the Pallas Triton write kernel (ragged_paged_attention/
+    gpu.py); "tpu" and "reference" -> one XLA scatter of the step's T rows (ref_write_kv_pages).
+    "auto" picks by the platform of kv_pages and its head dim, as select_attention_impl does."""
+    if implementation == "auto":
+        implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
+    if implementation == "gpu":
+        return _rpa.gpu.write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if implementation in ("tpu", "reference"):
+        return _rpa.ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
+    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
 
 
 def flash_attention(q, k, v, *, sm_scale, causal=True, segment_ids=None, sliding_window=None, soft_cap=None,

@@ -3,7 +3,9 @@
 `ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
 sliding_window=None, soft_cap=None, block_sizes=None, implementation="auto", interpret=False)`
 runs the TPU (Mosaic) or GPU (Triton) kernel; `ref_ragged_paged_attention` is the pure-jnp oracle
-and CPU path. Contract and KV layout: reference.py. Model code calls pallas_kernels.dispatch.
+and CPU path. The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu.write_kv_pages`
+(Triton), both placing tokens at `kv_write_slots`. Contract and KV layout: reference.py. Model
+code calls pallas_kernels.dispatch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pallas_kernels.ragged_paged_attention.common import (
     validate_values,
 )
 from pallas_kernels.ragged_paged_attention.reference import (
+    kv_write_slots,
     ref_cost_estimate,
     ref_ragged_paged_attention,
     ref_write_kv_pages,
@@ -39,6 +42,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 __all__ = [
     "BlockSizes",
     "IMPLEMENTATIONS",
+    "kv_write_slots",
     "ragged_paged_attention",
     "ref_cost_estimate",
     "ref_ragged_paged_attention",

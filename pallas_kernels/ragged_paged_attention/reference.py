@@ -31,6 +31,29 @@ def _token_seq_ids(cu_q_lens, num_seqs, T):
     return jnp.minimum(seq, S - 1), valid
 
 
+def kv_write_slots(
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    num_tokens: int,
+    *,
+    page_size: int,
+    num_slots: int,
+) -> jax.Array:  # i32[num_tokens]
+    """Flat cache slot (page * page_size + offset, into a [P * G, ...] view) of each token's new K/V.
+
+    Token t of sequence s sits at KV position kv_lens[s] - q_len + (t - cu_q_lens[s]) and goes to
+    page_indices[s, pos // G] * G + pos % G. Padding tokens get `num_slots` (= P * G, one past the
+    pool): the reference's scatter drops it and the kernels mask it. Every write path uses this."""
+    G = page_size
+    seq, valid = _token_seq_ids(cu_q_lens, num_seqs, num_tokens)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq])
+    page = page_indices[seq, jnp.clip(pos // G, 0, page_indices.shape[1] - 1)]
+    return jnp.where(valid, page * G + pos % G, num_slots).astype(jnp.int32)
+
+
 def ref_write_kv_pages(
     kv_pages: jax.Array,  # [P, G, 2K, H]
     k: jax.Array,  # [T, K, H]
@@ -43,14 +66,22 @@ def ref_write_kv_pages(
     """Write this step's K/V of every real token into its page slot; padding tokens write nothing."""
     P, G, K2, H = kv_pages.shape
     T = k.shape[0]
-    seq, valid = _token_seq_ids(cu_q_lens, num_seqs, T)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = kv_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq])
-    page = page_indices[seq, jnp.clip(pos // G, 0, page_indices.shape[1] - 1)]
-    slot = jnp.where(valid, page * G + pos % G, P * G)  # out of range -> dropped by the scatter
+    slot = kv_write_slots(kv_lens, page_indices, cu_q_lens, num_seqs, T, page_size=G, num_slots=P * G)
     new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_pages.dtype)
     flat = kv_pages.reshape(P * G, K2, H).at[slot].set(new, mode="drop")
     return flat.reshape(P, G, K2, H)
+
+
+def write_kv_cost_estimate(kv_pages, k) -> pl.CostEstimate:
+    """What the write must move: the step's K and V rows read once and written once, plus the slot
+    of each token. Write kernels pass this to pallas_call."""
+    T, K, H = k.shape
+    rows = 2 * T * K * H
+    return pl.CostEstimate(
+        flops=0,
+        transcendentals=0,
+        bytes_accessed=int(rows * (jnp.dtype(k.dtype).itemsize + jnp.dtype(kv_pages.dtype).itemsize) + 4 * T),
+    )
 
 
 def ref_ragged_paged_attention(
