@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate_inputs
 from pallas_kernels.ragged_paged_attention.reference import (
+    interleave_kv,
     kv_write_slots,
     ref_cost_estimate,
     write_kv_cost_estimate,
@@ -288,8 +289,8 @@ def ragged_paged_attention(
 
 @dataclasses.dataclass(frozen=True)
 class WriteBlockSizes:
-    """Tiles of the KV write. rows_per_block: (token, KV head) rows of k per program (as many of v);
-    a power of two >= 16, Triton's smallest 2-D tile."""
+    """Tiles of the KV write. rows_per_block: rows of the interleaved [T * 2K, H] K/V (2K per
+    token) per program; a power of two >= 16, Triton's smallest 2-D tile."""
 
     rows_per_block: int = 64
     num_warps: int = 4
@@ -305,39 +306,36 @@ class WriteBlockSizes:
 
 def default_write_block_sizes(k) -> WriteBlockSizes:
     T, K, H = k.shape
-    # Not tuned: tiles of ~8k elements (16 KiB of bf16 per tensor) keep 4 warps at 64 elements per
-    # thread for each of K and V; small steps (decode) shrink to the rows they have.
-    rows = min(_next_pow2(T * K), max(16, 8192 // H), 256)
+    # Not tuned: tiles of ~8k elements (16 KiB of bf16) keep 4 warps at 64 elements per thread;
+    # small steps (decode) shrink to the rows they have.
+    rows = min(_next_pow2(2 * T * K), max(16, 8192 // H), 256)
     return WriteBlockSizes(rows_per_block=max(16, rows))
 
 
 def _write_kernel(
     slots_ref,  # i32[T] flat slot per token; P * G for padding
-    k_ref,  # [T * K, H]
-    v_ref,  # [T * K, H]
+    new_ref,  # [T * 2K, H]: token t's K/V rows in the pool's order (2k: K of head k, 2k + 1: its V)
     kv_in_ref,  # [P * G * 2K, H], aliased to kv_ref
     kv_ref,  # [P * G * 2K, H]
     *,
-    num_kv_heads: int,
+    rows_per_token: int,
     num_slots: int,
     block_rows: int,
 ):
     del kv_in_ref
-    K = num_kv_heads
+    K2 = rows_per_token
     r = jnp.arange(block_rows, dtype=jnp.int32)
-    n = pl.program_id(0) * block_rows + r  # row of k / v: token n // K, KV head n % K
-    row_ok = n < k_ref.shape[0]
-    slot = plgpu.load(slots_ref.at[lax.div(n, K)], mask=row_ok, other=num_slots)
+    n = pl.program_id(0) * block_rows + r  # row of new: token n // 2K, row n % 2K of its slot
+    row_ok = n < new_ref.shape[0]
+    slot = plgpu.load(slots_ref.at[lax.div(n, K2)], mask=row_ok, other=num_slots)
     ok = row_ok & (slot >= 0) & (slot < num_slots)
     # A masked store is a no-op on the GPU, but interpret mode writes back every indexed row (its
     # old value where masked): masked rows get distinct rows past the pool, which no real row writes
     # and interpret mode's scatter drops. Negative indices would wrap onto real rows there.
-    dst = jnp.where(ok, slot * (2 * K) + 2 * lax.rem(n, K), kv_ref.shape[0] + 2 * r)
-    cols = jnp.arange(k_ref.shape[1], dtype=jnp.int32)[None, :]
-    k = plgpu.load(k_ref.at[n[:, None], cols], mask=ok[:, None], other=0.0)
-    v = plgpu.load(v_ref.at[n[:, None], cols], mask=ok[:, None], other=0.0)
-    plgpu.store(kv_ref.at[dst[:, None], cols], k.astype(kv_ref.dtype), mask=ok[:, None])
-    plgpu.store(kv_ref.at[dst[:, None] + 1, cols], v.astype(kv_ref.dtype), mask=ok[:, None])
+    dst = jnp.where(ok, slot * K2 + lax.rem(n, K2), kv_ref.shape[0] + r)
+    cols = jnp.arange(new_ref.shape[1], dtype=jnp.int32)[None, :]
+    x = plgpu.load(new_ref.at[n[:, None], cols], mask=ok[:, None], other=0.0)
+    plgpu.store(kv_ref.at[dst[:, None], cols], x.astype(kv_ref.dtype), mask=ok[:, None])
 
 
 def _write_rows(
@@ -351,23 +349,28 @@ def _write_rows(
     interpret: bool,
 ) -> jax.Array:  # [P * G * 2K, H]
     """The launch: token t's K/V rows go to rows slots[t] * 2K + 2h (+ 1); only slots in
-    [0, num_slots) are written (tests pass num_slots below the pool's to see that nothing else is)."""
+    [0, num_slots) are written (tests pass num_slots below the pool's to see that nothing else is).
+
+    k and v are interleaved into the pool's row order first (`interleave_kv`): XLA fuses that with
+    their producers (RoPE of k, the slice of v out of the merged QKV matmul) into one kernel, where
+    handing the launch k and v apart made XLA materialise each (two kernels a layer more on an
+    H200, 1B at batch 1)."""
     T, K, H = k.shape
     R = block_sizes.rows_per_block
-    kernel = functools.partial(_write_kernel, num_kv_heads=K, num_slots=num_slots, block_rows=R)
+    kernel = functools.partial(_write_kernel, rows_per_token=2 * K, num_slots=num_slots, block_rows=R)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(T * K, R),),
-        in_specs=[any_spec] * 4,
+        grid=(pl.cdiv(2 * T * K, R),),
+        in_specs=[any_spec] * 3,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
         cost_estimate=write_kv_cost_estimate(rows, k),
         interpret=interpret,
         name="write_kv_pages_gpu",
-    )(slots, k.reshape(T * K, H), v.reshape(T * K, H), rows)
+    )(slots, interleave_kv(k, v).reshape(2 * T * K, H), rows)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -393,9 +396,9 @@ def write_kv_pages(
 ) -> jax.Array:  # [P, G, 2K, H]
     """Pallas Triton kernel; same contract as reference.ref_write_kv_pages.
 
-    A program copies block_sizes.rows_per_block (token, KV head) rows of k and of v to rows
-    slot * 2K + 2h and + 1 of the pool seen as [P * G * 2K, H]; padding tokens and slots outside
-    the pool are masked. The pool is updated in place when the caller donates kv_pages (otherwise
+    k and v are interleaved into [T * 2K, H] rows in the pool's order; a program copies
+    block_sizes.rows_per_block of those rows, row j of token t to row slot * 2K + j of the pool seen
+    as [P * G * 2K, H]; padding tokens and slots outside the pool are masked. The pool is updated in place when the caller donates kv_pages (otherwise
     XLA copies it first, as for any aliased input). k, v of another dtype are cast to the pool's.
 
     interpret: True runs the kernel body as jnp on the host (CPU tests).

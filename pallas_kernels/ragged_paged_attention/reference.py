@@ -54,6 +54,12 @@ def kv_write_slots(
     return jnp.where(valid, page * G + pos % G, num_slots).astype(jnp.int32)
 
 
+def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+    """k, v [T, K, H] -> [T, 2K, H] in the pool's row order: row 2h is K of head h, 2h + 1 its V."""
+    T, K, H = k.shape
+    return jnp.stack([k, v], axis=2).reshape(T, 2 * K, H)
+
+
 def ref_write_kv_pages(
     kv_pages: jax.Array,  # [P, G, 2K, H]
     k: jax.Array,  # [T, K, H]
@@ -67,7 +73,7 @@ def ref_write_kv_pages(
     P, G, K2, H = kv_pages.shape
     T = k.shape[0]
     slot = kv_write_slots(kv_lens, page_indices, cu_q_lens, num_seqs, T, page_size=G, num_slots=P * G)
-    new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_pages.dtype)
+    new = interleave_kv(k, v).astype(kv_pages.dtype)
     flat = kv_pages.reshape(P * G, K2, H).at[slot].set(new, mode="drop")
     return flat.reshape(P, G, K2, H)
 

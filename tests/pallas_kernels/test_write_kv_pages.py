@@ -237,13 +237,13 @@ def test_donated_pool_updated_in_place():
 
 def test_kernel_lowers_for_cuda():
     """Pallas' Triton lowering runs on CPU: catches unsupported ops before a GPU run. The pool is
-    aliased to the output (operand 3 of the custom call: slots, k, v, pool)."""
+    aliased to the output (operand 2 of the custom call: slots, interleaved K/V rows, pool)."""
     s = SHAPES["k8_h16_page8"]
     args = make_inputs(s, (3, 1), (9, 17), jnp.bfloat16, np.random.default_rng(1))
     f = jax.jit(gpu.write_kv_pages, donate_argnums=0)
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "write_kv_pages_gpu" in text and "triton" in text
-    assert "output_operand_alias<output_tuple_indices = [], operand_index = 3" in text
+    assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in text
 
 
 @pytest.mark.parametrize("kwargs,message", [
