@@ -236,20 +236,20 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         name="ragged_paged_attention_gpu",
     )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, q.reshape(T * N, H),
       kv_pages.reshape(P * G * K2, H))
-    t = jnp.arange(T, dtype=jnp.int32)
-    real = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])  # padding tokens' outputs are unwritten
     if splits == 1:
-        return jnp.where(real[:, None, None], outs[0].reshape(T, N, H), jnp.zeros((), q.dtype))
-    # The merge masks padding itself (weight 0, so its output is 0): a separate select after it
-    # was one more kernel per layer (1.3 us each on an H200, batch-1 decode).
-    o_part, lse = outs  # unwritten entries (padding tokens) may hold anything
-    lse = lse.reshape(splits, T, N)
-    keep = jnp.isfinite(lse) & real[None, :, None]
-    lse_max = jnp.max(jnp.where(keep, lse, -jnp.inf), axis=0)
-    w = jnp.where(keep, jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)), 0.0)
-    o_part = jnp.where(keep[..., None], o_part.reshape(splits, T, N, H), 0.0)
-    return (jnp.sum(w[..., None] * o_part, axis=0) /
-            jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(q.dtype)
+        out = outs[0].reshape(T, N, H)
+    else:
+        o_part, lse = outs  # unwritten entries (padding tokens) may hold anything, masked below
+        lse = lse.reshape(splits, T, N)
+        finite = jnp.isfinite(lse)
+        lse_max = jnp.max(jnp.where(finite, lse, -jnp.inf), axis=0)
+        w = jnp.where(finite, jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)), 0.0)
+        o_part = jnp.where(finite[..., None], o_part.reshape(splits, T, N, H), 0.0)
+        out = (jnp.sum(w[..., None] * o_part, axis=0) /
+               jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(q.dtype)
+    t = jnp.arange(T, dtype=jnp.int32)
+    real = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])
+    return jnp.where(real[:, None, None], out, jnp.zeros((), q.dtype))
 
 
 def ragged_paged_attention(
