@@ -8,6 +8,11 @@ the same model shape, the same random prompts and the same GPU, in one run.
 Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `--output-len` tokens
 each, greedy, EOS ignored (every request generates exactly output-len tokens; checked).
 
+`--repeats N` (default 3) times the workload N times on each side, with fresh random prompts each
+time (seeds `--seed`, +2, +4, ...; the same prompts on both sides), and reports the median run and
+the range: on the H200 here, single runs of the same generate varied by up to 30%. Fresh prompts
+keep xlaserve's prefix cache from serving a repeat's prefill.
+
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
 small bucket table (warmup compile time is reported apart), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
@@ -32,6 +37,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +48,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import copy_bandwidth, git_commit, matmul_flops  # noqa: E402
+
+
+def repeat_seed(args, r: int) -> int:
+    """Prompt seed of timed run r: even offsets from --seed (the warm-up uses --seed + 1)."""
+    return args.seed + 2 * r
+
+
+def timing_summary(walls: list[float], n_out: int, n_in: int) -> dict:
+    """The median run's wall time and rates, with every run's wall time beside them."""
+    wall = statistics.median(walls)
+    return {"wall_s": wall, "wall_s_runs": walls, "output_tok_s": n_out / wall,
+            "output_tok_s_range": [n_out / max(walls), n_out / min(walls)], "total_tok_s": (n_out + n_in) / wall}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -59,7 +77,6 @@ def run_xla(args) -> dict:
     from runtime.request import SamplingParams
 
     mc = get_preset(args.model)
-    prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, args.seed)
     G = args.page_size
     max_model_len = -(-(args.input_len + args.output_len) // G) * G
     cfg = dict(dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -79,23 +96,27 @@ def run_xla(args) -> dict:
                  use_tqdm=False)
     st1 = eng.stats()
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    walls, bad = [], []
+    for r in range(args.repeats):
+        prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        bad += [(r, i) for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len]
+        eng.check_invariants()
     st2 = eng.stats()
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    bad = [i for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len]
-    eng.check_invariants()
     dev = jax.devices()[0]
     res = {
         "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
         "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": eng.config.num_pages,
         "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
-        "wall_s": wall, "output_tokens": n_out, "wrong_length": bad[:5],
-        "output_tok_s": n_out / wall, "total_tok_s": (n_out + args.num_prompts * args.input_len) / wall,
-        "steps": st2.num_steps - st1.num_steps, "preemptions": st2.num_preemptions - st1.num_preemptions,
-        "prefill_tokens": st2.prefill_tokens - st1.prefill_tokens,
+        **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
+        "wrong_length": bad[:5], "repeats": args.repeats,
+        "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run
+        "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
+        "prefill_tokens": (st2.prefill_tokens - st1.prefill_tokens) / args.repeats,  # per run
         "compiles_after_warmup": st2.num_compiles_after_warmup,
     }
     del llm, eng  # the KV pool: room for the ceiling measurements
@@ -143,7 +164,6 @@ def run_hf(args) -> dict:
     from models.config import get_preset
 
     mc = get_preset(args.model)
-    prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, args.seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hf_cfg = LlamaConfig(
         vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
@@ -165,34 +185,37 @@ def run_hf(args) -> dict:
     gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
                cache_implementation="static", pad_token_id=0, eos_token_id=None)
     model.generation_config.eos_token_id = None
-    ids = torch.tensor(prompts, dtype=torch.long, device=dev)
+    runs = [torch.tensor(make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r)),
+                         dtype=torch.long, device=dev) for r in range(args.repeats)]
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    B = min(args.hf_batch, len(prompts))
+    B = min(args.hf_batch, args.num_prompts)
     with torch.inference_mode():
         # warm-up with the timed shapes: generate may compile the decode step for a static cache,
         # and the cache and any compiled graph depend on batch size and max_new_tokens
-        x = ids[:B]
+        x = runs[0][:B]
         sync()
         t0 = time.perf_counter()
         model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
         sync()
         first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        n_out, bad = 0, 0
-        for i in range(0, len(prompts), B):
-            x = ids[i : i + B]
-            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
-            new = out.shape[1] - x.shape[1]
-            n_out += new * x.shape[0]
-            bad += int(new != args.output_len)
-        sync()
-        wall = time.perf_counter() - t0
+        walls, bad = [], 0
+        for ids in runs:
+            t0 = time.perf_counter()
+            n_out = 0
+            for i in range(0, len(ids), B):
+                x = ids[i : i + B]
+                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
+                new = out.shape[1] - x.shape[1]
+                n_out += new * x.shape[0]
+                bad += int(new != args.output_len)
+            sync()
+            walls.append(time.perf_counter() - t0)
     return {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-        "transformers": transformers.__version__, "hf_batch": B, "init_s": init_s, "wall_s": wall,
+        "transformers": transformers.__version__, "hf_batch": B, "init_s": init_s,
+        **timing_summary(walls, n_out, args.num_prompts * args.input_len), "repeats": args.repeats,
         "first_call_s": first_s, "compiled": bool(getattr(model, "_compiled_call", None)),
-        "output_tokens": n_out, "wrong_length_batches": bad, "output_tok_s": n_out / wall,
-        "total_tok_s": (n_out + args.num_prompts * args.input_len) / wall,
+        "output_tokens": n_out, "wrong_length_batches": bad,
         "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
     }
 
@@ -206,6 +229,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported, range beside it)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 8192])
@@ -218,6 +242,8 @@ def main() -> None:
     ap.add_argument("--child", choices=["hf", "xla"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.child:
         res = run_xla(args) if args.child == "xla" else run_hf(args)
         Path(args.child_out).write_text(json.dumps(res, indent=1))
@@ -250,16 +276,22 @@ def main() -> None:
     print(f"\ncommit {result['commit']}  {result['date']}  {command}")
     print(f"workload: {w['model']} bf16 random weights, {w['num_prompts']} prompts x {w['input_len']} in / "
           f"{w['output_len']} out, greedy, ignore_eos")
+    print(f"median of {args.repeats} timed run(s) per side; output tok/s range over the runs in brackets")
     print("| engine | device | output tok/s | total tok/s | wall s | note |")
     print("| --- | --- | --- | --- | --- | --- |")
+
+    def rate(d):
+        lo, hi = d["output_tok_s_range"]
+        return f"{d['output_tok_s']:,.0f} [{lo:,.0f}-{hi:,.0f}]"
+
     if "output_tok_s" in x:
-        print(f"| xlaserve LLM.generate | {x['device']} | {x['output_tok_s']:,.0f} | {x['total_tok_s']:,.0f} | "
-              f"{x['wall_s']:.2f} | {x['steps']} steps, {x['preemptions']} preemptions, warmup "
+        print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
+              f"{x['wall_s']:.2f} | {x['steps']:.0f} steps a run, {x['preemptions']} preemptions, warmup "
               f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s |")
     elif "xla" in result:
         print(f"| xlaserve | failed: {x.get('error')} |")
     if "output_tok_s" in h:
-        print(f"| HF generate static cache, batch {h['hf_batch']} | {h['device']} | {h['output_tok_s']:,.0f} | "
+        print(f"| HF generate static cache, batch {h['hf_batch']} | {h['device']} | {rate(h)} | "
               f"{h['total_tok_s']:,.0f} | {h['wall_s']:.2f} | torch {h['torch']}, transformers "
               f"{h['transformers']} |")
     elif "hf" in result:
