@@ -10,7 +10,7 @@ each, greedy, EOS ignored (every request generates exactly output-len tokens; ch
 
 `--repeats N` (default 3) times the workload N times on each side, with fresh random prompts each
 time (seeds `--seed`, +2, +4, ...; the same prompts on both sides), and reports the median run and
-the range: on the H200 here, single runs of the same generate varied by up to 30%. Fresh prompts
+the range: on the H200 here, single runs of the same generate varied by up to a third. Fresh prompts
 keep xlaserve's prefix cache from serving a repeat's prefill.
 
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
