@@ -24,6 +24,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _median_call_s(f, *args) -> float:
+    """Seconds per call of jitted f: the median of 7 runs of 10 back-to-back calls, after one warm-up."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y = f(*args)
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / 10)
+    return statistics.median(times)
+
+
 def copy_bandwidth(n: int = 1 << 28) -> dict:
     """Bytes read + written per second by a large jitted elementwise op (x * 2 over n f32): the
     memory ceiling MBU is quoted against. Median of 7 runs of 10 back-to-back calls."""
@@ -31,17 +46,8 @@ def copy_bandwidth(n: int = 1 << 28) -> dict:
     import jax.numpy as jnp
 
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda a: a * 2.0)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 10)
-    del x, y
-    t = statistics.median(times)
+    t = _median_call_s(jax.jit(lambda a: a * 2.0), x)
+    del x
     return {"copy_bytes_per_s": 2 * n * 4 / t, "copy_bytes": 2 * n * 4, "copy_s": t}
 
 
@@ -53,14 +59,5 @@ def matmul_flops(m: int = 8192) -> dict:
     key = jax.random.key(0)
     a = jax.random.normal(key, (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.fold_in(key, 1), (m, m), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y = f(a, b)
-        jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 10)
-    t = statistics.median(times)
+    t = _median_call_s(jax.jit(lambda a, b: a @ b), a, b)
     return {"matmul_flops_per_s": 2 * m**3 / t, "matmul_s": t}
