@@ -193,6 +193,7 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
+        self._penalized: set[str] = set()  # the live ones with penalties (their sampling keeps a history)
         self._sid_counter = itertools.count()
         self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs or None (futures)
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
@@ -236,7 +237,7 @@ class Engine:
         group.first = self.scheduler.add_request(seq.sid, prompt_ids, replace(params, n=1), eos_token_ids=self.eos_ids,
                                                  priority=priority, cache_salt=cache_salt)
         self._groups[request_id] = group
-        self._seqs[seq.sid] = seq
+        self._add_seq(seq)
         self._counts["requests"] += 1
         self._counts["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
@@ -313,7 +314,7 @@ class Engine:
         partial=False returns only the requests that finished (offline use: building a running
         request's output copies its prompt and tokens, every step, for every request)."""
         with self._watcher.watch():
-            if self._inflight is not None and any(s.sampling.history is not None for s in self._seqs.values()):
+            if self._inflight is not None and self._penalized:
                 self._finish_inflight()  # penalties: the next pack needs the in-flight tokens
             plan = self.scheduler.step()
             dispatched = None
@@ -332,9 +333,6 @@ class Engine:
                 self._finish_inflight()  # overlaps the step just dispatched
             if dispatched is not None:
                 self.scheduler.update_from_output(plan, None)
-                for s in plan.seqs:  # count the token now: packing min_tokens bans reads the count
-                    if s.sample and s.request_id in self._seqs:
-                        self._seqs[s.request_id].sampling.num_output += 1
                 self._inflight = dispatched
             outputs = self._emit(partial)
             self._check_compiles()
@@ -349,8 +347,17 @@ class Engine:
             children = [self._new_seq(group, i) for i in range(1, group.to_fork + 1)]
             self.scheduler.fork(seq.sid, [c.sid for c in children], [c.sampling.params for c in children])
             for c in children:
-                self._seqs[c.sid] = c
+                self._add_seq(c)
             group.to_fork = 0
+
+    def _add_seq(self, seq: _Seq) -> None:
+        self._seqs[seq.sid] = seq
+        if seq.sampling.history is not None:
+            self._penalized.add(seq.sid)
+
+    def _drop_seq(self, sid: str) -> None:
+        self._seqs.pop(sid, None)
+        self._penalized.discard(sid)
 
     def _finish_inflight(self) -> None:
         plan, tokens, logprobs = self._inflight
@@ -376,7 +383,7 @@ class Engine:
             self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
             self._counts["generated"] += 1
             if u.finish_reason is not None:
-                del self._seqs[u.request_id]
+                self._drop_seq(u.request_id)
 
     def _emit(self, partial: bool) -> list[RequestOutput]:
         touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
@@ -399,7 +406,6 @@ class Engine:
                         seq.text = seq.text[:idx]
                         if finish_reason is None:
                             self.scheduler.finish(seq.sid, FINISH_STOP, stop)
-                            self._seqs.pop(seq.sid, None)
                         finish_reason, stop_reason = FINISH_STOP, stop
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
@@ -408,7 +414,7 @@ class Engine:
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self._seqs.pop(seq.sid, None)
+        self._drop_seq(seq.sid)
         if seq.detok is not None and not (reason == FINISH_STOP and isinstance(stop_reason, str)):
             seq.text += seq.detok.flush()
         group = seq.group
@@ -468,7 +474,7 @@ class Engine:
         self.scheduler.check_invariants()
         alloc = self.scheduler.allocator
         if not self.has_unfinished():
-            assert not self._seqs and not self._groups, "live sequences remain"
+            assert not self._seqs and not self._groups and not self._penalized, "live sequences remain"
             assert alloc.num_referenced == 0, f"{alloc.num_referenced} pages still referenced"
             assert alloc.num_free + alloc.num_cached == self.config.num_pages, (
                 f"free {alloc.num_free} + cached {alloc.num_cached} != {self.config.num_pages} pages"

@@ -171,12 +171,13 @@ class Request:
     def check_stop_token(self, token_id: int) -> tuple[str, int | str | None] | None:
         """The finish reason after `token_id` was appended, or None to keep going."""
         p = self.sampling_params
-        if self.num_output_tokens >= p.min_tokens:
+        n = len(self.token_ids) - len(self.prompt_token_ids)  # num_output_tokens (called per token per step)
+        if n >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 return FINISH_STOP, None
             if token_id in p.stop_token_ids:
                 return FINISH_STOP, token_id
-        if self.num_output_tokens >= self.max_tokens:
+        if n >= self.max_tokens:
             return FINISH_LENGTH, None
         return None
 

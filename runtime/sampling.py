@@ -113,6 +113,28 @@ def empty_rows(S: int, max_banned: int) -> np.ndarray:
     return _neutral_rows(S, max_banned).copy()
 
 
+def request_row(params, seed: tuple[int, int], num_prompt: int) -> bytes:
+    """The columns of a request's row that stay the same every step (F of them: those before
+    `banned`; `positions` left 0 for the packer to set per step), as the bytes of an i32[F].
+    `params` is its SamplingParams, `seed` split_seed(seed), `num_prompt` its prompt length (0
+    unless it has penalties). Computed once per request; the packer copies it with
+    `put_request_rows`."""
+    row = _neutral_rows(1, 0).copy()
+    v = sampling_rows(row)
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        getattr(v, name)[0] = getattr(params, name)
+    v.seeds[0] = seed
+    v.num_prompt[0] = num_prompt
+    return row.tobytes()
+
+
+def put_request_rows(rows: np.ndarray, index: list[int], request_rows: list[bytes]) -> None:
+    """rows[index[j]] takes request_rows[j] (`request_row`) in its first F columns. Joined as bytes:
+    at 256 rows one join is ~2 us where stacking 256 small arrays took ~100 (every step)."""
+    rows[index, :_FIXED_COLUMNS] = np.frombuffer(b"".join(request_rows), np.int32).reshape(len(index), _FIXED_COLUMNS)
+
+
 @functools.cache
 def _neutral_rows(S: int, max_banned: int) -> np.ndarray:  # packing copies it every step
     rows = np.zeros((S, _FIXED_COLUMNS + max_banned), np.int32)

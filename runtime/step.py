@@ -30,7 +30,8 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingBatch, SamplingNeeds, empty_rows, greedy, pad_slots, sampling_rows, split_seed
+from runtime.sampling import (SamplingBatch, SamplingNeeds, empty_rows, greedy, pad_slots, put_request_rows,
+                              request_row, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -126,33 +127,34 @@ class SeqSampling:
     scheduler request and appends generated tokens to the penalty history."""
 
     params: SamplingParams
-    seed: tuple[int, int]  # split_seed(seed)
-    num_prompt: int
     stop_ids: np.ndarray  # i32[k]: ids banned while below min_tokens (EOS unless ignore_eos, stop ids)
+    # stop_ids are banned from a sampled token whose index in the sequence is below this: the
+    # prompt length + min_tokens (0 when there is nothing to ban). The index of the token a step
+    # samples is its num_computed_after, known from the plan even before the previous step's
+    # tokens reach the host (lookahead), and the same after a recompute (preemption).
+    ban_before: int
+    row: bytes  # its sampling row's constant columns (runtime/sampling.py, request_row)
     history: np.ndarray | None = None  # i32[W]: prompt + output ids, kept only when penalties are on
     history_len: int = 0
-    num_output: int = 0
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, prompt: Sequence[int], eos_ids: Sequence[int], history_len: int):
         banned = list(dict.fromkeys([*([] if params.ignore_eos else eos_ids), *params.stop_token_ids]))
-        s = cls(params, split_seed(seed), len(prompt), np.asarray(banned, np.int32))
-        if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                     or params.frequency_penalty != 0.0)
+        s = cls(params, np.asarray(banned, np.int32), len(prompt) + params.min_tokens if banned else 0,
+                request_row(params, split_seed(seed), len(prompt) if penalties else 0))
+        if penalties:
             s.history = np.full(history_len, -1, np.int32)
             s.history[: len(prompt)] = prompt
             s.history_len = len(prompt)
         return s
 
     def append(self, token: int) -> None:
-        """A sampled token, once the host has it (num_output already counts it: the engine counts a
-        token when its step is applied, before the token is known; see runtime/engine.py)."""
+        """A sampled token, once the host has it."""
         if self.history is not None and self.history_len < len(self.history):
             self.history[self.history_len] = token
             self.history_len += 1
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.params.logprobs is not None
 
 
 class BatchPacker:
@@ -211,32 +213,21 @@ class BatchPacker:
             b.tokens[off : off + q] = seq.token_ids
             b.positions[off : off + q] = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int32)
             off += q
-        if n:  # every sequence's page table in one scatter
-            lens = [len(seq.pages) for seq in seqs]
-            r = np.repeat(np.arange(n), lens)
-            c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
-            m.page_indices[r, c] = list(itertools.chain.from_iterable(seq.pages for seq in seqs))
+        if n:  # every sequence's page table in one masked write (row-major order, as the chain)
+            lens = np.array([len(seq.pages) for seq in seqs])
+            pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int32, count=lens.sum())
+            m.page_indices[:n][np.arange(m.page_indices.shape[1]) < lens[:, None]] = pages
         m.num_seqs[0] = n
         rows = [i for i, s in enumerate(samp) if s is not None]
         if not rows:
             return out
-        ps = [samp[i].params for i in rows]
-        sb.temperature[rows] = [p.temperature for p in ps]
-        sb.top_k[rows] = [p.top_k for p in ps]
-        sb.top_p[rows] = [p.top_p for p in ps]
-        sb.min_p[rows] = [p.min_p for p in ps]
-        sb.repetition_penalty[rows] = [p.repetition_penalty for p in ps]
-        sb.presence_penalty[rows] = [p.presence_penalty for p in ps]
-        sb.frequency_penalty[rows] = [p.frequency_penalty for p in ps]
-        sb.seeds[rows] = [samp[i].seed for i in rows]
+        put_request_rows(out.rows, rows, [samp[i].row for i in rows])
         sb.positions[rows] = [seqs[i].num_computed_after for i in rows]  # the index the sampled token will have
         for i in rows:
             s = samp[i]
-            if s.history is not None:
-                sb.num_prompt[i] = s.num_prompt
-            if s.num_output < s.params.min_tokens and len(s.stop_ids):
+            if seqs[i].num_computed_after < s.ban_before:  # below min_tokens
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h
-        out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].wants_logprobs for i in rows))
+        out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].params.logprobs is not None for i in rows))
         return out

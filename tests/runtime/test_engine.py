@@ -304,7 +304,8 @@ def test_eos_min_tokens_and_ignore_eos(model, engine, workload):
 
 def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, workload):
     """Decode steps are planned while the previous step's tokens are still on the device, with the
-    min_tokens count already including them; with penalties the engine resolves first."""
+    min_tokens count (the plan's index of the token to sample, less the prompt) already including
+    them; with penalties the engine resolves first."""
     _, prompt, _ = workload[1]
     sched, packer, seen = engine.scheduler, engine.packer, []
 
@@ -312,7 +313,7 @@ def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, w
         for s in plan.seqs:
             if s.sample:
                 req = sched.get_request(s.request_id)
-                seen.append((sched.awaiting_tokens, sampling(s.request_id).num_output == req.num_output_tokens))
+                seen.append((sched.awaiting_tokens, s.num_computed_after - len(prompt) == req.num_output_tokens))
         return type(packer).pack(packer, plan, sampling)
 
     packer.pack = pack

@@ -77,10 +77,9 @@ def test_packer_lays_out_plan_and_padding():
     greedy = SeqSampling.create(SamplingParams(temperature=0.0), 0, [1, 2], eos_ids=[2], history_len=W)
     fancy = SeqSampling.create(
         SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=2,
-                       min_tokens=2, stop_token_ids=[9]),
+                       min_tokens=3, stop_token_ids=[9]),
         2**40 + 3, [4, 5, 6], eos_ids=[2], history_len=W,
     )
-    fancy.num_output += 1  # the engine counts a token when its step is applied, then appends it once known
     fancy.append(11)
     table = {"d": greedy, "p": fancy}
     plan = plan_of(
@@ -112,12 +111,14 @@ def test_packer_lays_out_plan_and_padding():
     np.testing.assert_array_equal(packed.history[1, :5], [4, 5, 6, 11, -1])
     assert (packed.history[[0, 2, 3]] == -1).all()  # only rows with penalties carry their history
     assert sb.num_prompt[1] == 3
-    np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])  # 1 output < min_tokens 2: EOS and stop id
+    # "p" samples the token at index 5 (its num_computed_after) of a 3-token prompt: 2 outputs before
+    # it, below min_tokens 3, so EOS and the stop id are banned
+    np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])
     assert (sb.banned[[0, 2, 3]] == -1).all()
     assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True)
-    fancy.num_output += 1
-    fancy.append(12)  # 2 outputs: min_tokens reached, nothing banned
-    assert (packer.pack(plan, table.__getitem__).sampling.banned == -1).all()
+    fancy.append(12)
+    later = plan_of(plan.seqs[0], seq("p", [13], 5, [4], prefill=False))  # samples index 6: 3 outputs before it
+    assert (packer.pack(later, table.__getitem__).sampling.banned == -1).all()
     # Without a penalized row the [S, W] history is not built (the penalize program does not run).
     greedy_only = packer.pack(plan_of(plan.seqs[0], plan.seqs[2]), table.__getitem__)
     assert greedy_only.history is None and greedy_only.needs == SamplingNeeds()
