@@ -23,6 +23,7 @@ from flax import nnx
 from models.attention import AttentionMetadata
 from models.config import ModelConfig, rope_inv_freq
 from pallas_kernels import dispatch
+from sharding.rules import shard_over_heads
 
 
 def _precision(dtype):
@@ -47,9 +48,11 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
+                 rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.kv_repeat, self.attn_impl, self.dtype = cfg, kv_repeat, attn_impl, dtype
+        self.head_mesh = head_mesh  # sharding.rules.head_parallel_mesh: write + attention per tensor shard
         self.q_proj = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), param_dtype)
         self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -80,12 +83,21 @@ class Attention(nnx.Module):
         if self.kv_repeat > 1:  # KV heads fewer than the tensor axis: store each head kv_repeat times
             k = jnp.repeat(k, self.kv_repeat, axis=1)
             v = jnp.repeat(v, self.kv_repeat, axis=1)
-        kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta, implementation=self.attn_impl)
-        o = dispatch.ragged_paged_attention(
-            q, kv_pages, *meta, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
-            implementation=self.attn_impl,
-        )
+        o, kv_pages = self._write_and_attend(kv_pages, q, k, v, *meta)
         return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
+
+    def _write_and_attend(self, kv_pages, q, k, v, *meta):
+        def run(kv_pages, q, k, v, *meta):
+            kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta, implementation=self.attn_impl)
+            o = dispatch.ragged_paged_attention(
+                q, kv_pages, *meta, sm_scale=self.cfg.head_dim**-0.5, sliding_window=self.cfg.sliding_window,
+                implementation=self.attn_impl,
+            )
+            return o, kv_pages
+
+        if self.head_mesh is not None:
+            run = shard_over_heads(run, self.head_mesh)
+        return run(kv_pages, q, k, v, *meta)
 
 
 class MLP(nnx.Module):
@@ -104,11 +116,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
+                 rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+        self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -123,15 +136,18 @@ class LlamaModel(nnx.Module):
 
     `attn_impl` is the attention implementation for the platform the model lives on (chosen by
     pallas_kernels.dispatch.select_attention_impl); it is static, part of the graph, not of the params.
+    So is `head_mesh` (sharding.rules.head_parallel_mesh): when set, each layer's KV write and
+    attention run per shard of its `tensor` axis (shard_map), every device on its own heads.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
-                 kv_repeat: int = 1, attn_impl: str = "reference"):
+                 kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None):
         param_dtype = param_dtype or dtype
         self.cfg, self.dtype, self.kv_repeat = cfg, dtype, kv_repeat
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
             for _ in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
@@ -191,11 +207,11 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1,
-                   attn_impl: str = "reference") -> LlamaModel:
+                   attn_impl: str = "reference", head_mesh=None) -> LlamaModel:
     """The model with ShapeDtypeStruct leaves: shapes for loaders, no memory allocated."""
     return nnx.eval_shape(
         lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat,
-                           attn_impl=attn_impl)
+                           attn_impl=attn_impl, head_mesh=head_mesh)
     )
 
 

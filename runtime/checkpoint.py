@@ -26,7 +26,7 @@ from models.llama import abstract_model, make_forward
 from pallas_kernels.dispatch import select_attention_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig
-from sharding.rules import kv_repeat, state_shardings
+from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
 
 ORBAX_CONFIG = "xlaserve_config.json"
 ORBAX_STATE = "state"
@@ -119,7 +119,8 @@ def load_model(
 
 def _model_parts(cfg: ModelConfig, mesh, dtype):
     impl = select_attention_impl(mesh.devices.flat[0].platform, cfg.head_dim)  # = LoadedModel.attn_impl
-    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh), attn_impl=impl))
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh), attn_impl=impl,
+                                                   head_mesh=head_parallel_mesh(cfg, mesh)))
     return graphdef, abs_state, state_shardings(abs_state, mesh, cfg)
 
 

@@ -6,6 +6,8 @@ dominate): weights split only over `tensor`, and are replicated over `replica` a
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -48,6 +50,34 @@ def attention_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[bool, b
 
 def kv_repeat(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> int:
     return attention_layout(cfg, mesh)[2]
+
+
+def head_parallel_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
+    """The mesh whose `tensor` axis the model's KV write and attention run split over, each device
+    on its own heads (`shard_over_heads`), or None when they run as one program over the whole
+    batch: a mesh without a tensor axis, or a layout that does not split both query and KV heads.
+
+    Why explicitly: the Pallas kernels (attention; the KV write on GPU) are custom calls, which
+    XLA's partitioner cannot split. Given head-sharded q and a head-sharded KV pool it would
+    gather both onto every device around each call, every layer, every step (the whole pool);
+    under shard_map every device runs the kernel on its heads and its slice of the pool, with no
+    communication at all."""
+    if mesh_axis_size(mesh, "tensor") == 1:
+        return None
+    q_ok, kv_ok, _ = attention_layout(cfg, mesh)
+    return mesh if q_ok and kv_ok else None
+
+
+def shard_over_heads(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+    """fn(kv_pages [P, G, 2K', H], q [T, N, H], k [T, K', H], v [T, K', H], kv_lens, page_indices,
+    cu_q_lens, num_seqs) -> (o [T, N, H], kv_pages), run per shard of the `tensor` axis: each
+    device gets its N/t query heads, K'/t KV heads and the matching slice of the pool's
+    interleaved K/V axis (kv_cache_sharding), the metadata whole. The heads a query reads stay on
+    its device (query head i reads KV head i // (N/K'), and both split evenly:
+    head_parallel_mesh)."""
+    heads, pool, whole = PartitionSpec(None, "tensor", None), PartitionSpec(None, None, "tensor", None), PartitionSpec()
+    return jax.shard_map(fn, mesh=mesh, in_specs=(pool, heads, heads, heads, whole, whole, whole, whole),
+                         out_specs=(heads, pool), check_vma=False)
 
 
 def logical_to_spec(

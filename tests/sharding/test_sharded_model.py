@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from runtime.checkpoint import load_model, restore_orbax, save_orbax
 from tests.testing.greedy import greedy_generate
@@ -37,6 +38,9 @@ def test_mesh_matches_single_device(checkpoint, replica, tensor):
         assert mlp.addressable_shards[0].data.shape[1] == model.config.intermediate_size // tensor
     if model.config.num_kv_heads < tensor and q_sharded:
         assert rep == tensor // model.config.num_kv_heads and kv_sharded
+    # KV write + attention run per tensor shard (shard_over_heads) exactly when both head kinds split
+    attn = nnx.merge(model.graphdef, model.params).layers[0].attn
+    assert (attn.head_mesh is not None) is (tensor > 1 and q_sharded and kv_sharded)
     got = greedy_generate(model, prompt, 1).prompt_logits
     atol, rtol = MESH_LOGITS_F32
     np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
