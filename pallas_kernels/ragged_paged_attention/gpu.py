@@ -73,7 +73,9 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     # H200 sweeps (docs/kernels/ragged_paged_attention.md): 64 keys per step, 4 warps, 2 stages and
     # about 2 programs per SM (64 x 4k: 1 split; 8 x 32k: 8) were best or within run-to-run noise
     # (~4%) of the best at 64 x 4k and 8 x 32k with pages of 16 and 64.
-    ppb = max(1, min(P_max, 64 // G))
+    # Pages per block: a power of two (Triton's key block must be one), at most the page table's
+    # width (a 40-token prompt's table of 3 pages takes 2, not 3).
+    ppb = 1 << (max(1, min(P_max, 64 // G)).bit_length() - 1)
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
     splits = _next_pow2(pl.cdiv(2 * _num_sms(), items * K))

@@ -201,6 +201,18 @@ def test_gpu_default_block_sizes(case):
     check_kernel(functools.partial(gpu.ragged_paged_attention, interpret=True), case, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("pages_per_seq", [1, 2, 3, 5, 7, 9])
+def test_gpu_default_block_sizes_fit_any_page_table(pages_per_seq, page_size):
+    """The defaults must be valid for any page table width, not only powers of two (a greedy run
+    over a 40-token prompt with pages of 16 has 3 pages per sequence)."""
+    q = jnp.zeros((5, 8, 64), jnp.bfloat16)
+    kv = jnp.zeros((4, page_size, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, pages_per_seq), jnp.int32)
+    bs = gpu.default_block_sizes(q, kv, pages)
+    gpu.check_block_sizes(bs, q, kv, pages)  # raises on a block the kernel cannot run
+
+
 def test_gpu_kernel_lowers_for_cuda():
     """Pallas' Triton lowering (to Triton IR) runs on CPU: catches unsupported ops before a GPU run."""
     args, _, _ = case_inputs("mixed", "bfloat16")
