@@ -3,7 +3,8 @@ the same model shape, the same random prompts and the same GPU, in one run.
 
   python3 scripts/bench_throughput.py --out throughput.json            # llama3_2_1b, 256 x (512 in / 256 out)
   python3 scripts/bench_throughput.py --model smollm2_135m --num-prompts 8 --input-len 32 --output-len 16 --max-num-seqs 8 \
-      --max-num-batched-tokens 256 --token-buckets 16 256 --seq-buckets 8 --hf-batch 8      # CPU smoke test
+      --max-num-batched-tokens 256 --token-buckets 16 256 --seq-buckets 8 --hf-batch 8 \
+      --copy-elems 1048576 --matmul-size 256      # CPU smoke test (tests/scripts runs one without HF)
 
 Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `--output-len` tokens
 each, greedy, EOS ignored (every request generates exactly output-len tokens; checked).
@@ -121,7 +122,8 @@ def run_xla(args) -> dict:
     }
     del llm, eng  # the KV pool: room for the ceiling measurements
     gc.collect()
-    res.update(physical_floor(mc, args, copy_bandwidth()["copy_bytes_per_s"], matmul_flops()["matmul_flops_per_s"]))
+    res.update(physical_floor(mc, args, copy_bandwidth(args.copy_elems)["copy_bytes_per_s"],
+                              matmul_flops(args.matmul_size)["matmul_flops_per_s"]))
     return res
 
 
@@ -238,6 +240,8 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=None, help="default: the engine's estimate from free memory")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
+    ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
+    ap.add_argument("--matmul-size", type=int, default=8192, help="m of the bf16 m x m x m matmul ceiling")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", choices=["hf", "xla"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

@@ -1,0 +1,52 @@
+"""The benchmark scripts issue 4's numbers come from, run end to end on CPU at toy sizes
+(stories260k's shape, dummy weights): every table they print is built from measurements that must
+be finite and positive, and the offline run must produce exactly the requested tokens with no
+compile after warmup. HF's side of bench_throughput is skipped here: compiling its static-cache
+decode with torch inductor takes minutes on a CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str, out: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "scripts" / script), *args, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_decode_smoke(tmp_path):
+    res = _run("bench_decode.py", "--models", "stories260k", "--batches", "1", "2", "--ctx", "32", "--steps", "12",
+               "--min-rep-s", "0.01", "--reps", "1", "--copy-elems", str(1 << 20), out=tmp_path / "decode.json")
+    rows = {r["batch"]: r for r in res["main"]["rows"]}
+    assert sorted(rows) == [1, 2]
+    one = rows[1]
+    for col in ("model", "step", "executor", "engine"):
+        assert _positive(one[f"{col}_s"]) and _positive(one[f"{col}_tok_s"]) and 0 < one[f"{col}_mbu"] < 1, col
+    assert one["engine_steps_timed"] > 0
+    assert one["bytes_per_step"] < rows[2]["bytes_per_step"]  # a second sequence's K/V rows move too
+    assert math.isclose(one["floor_s"] / one["step_s"], one["step_mbu"], rel_tol=1e-6)
+
+
+def test_bench_throughput_smoke(tmp_path):
+    res = _run("bench_throughput.py", "--model", "stories260k", "--num-prompts", "4", "--input-len", "16",
+               "--output-len", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8",
+               "64", "--seq-buckets", "4", "--repeats", "2", "--skip", "hf", "--copy-elems", str(1 << 20),
+               "--matmul-size", "256", out=tmp_path / "throughput.json")
+    x = res["xla"]
+    assert x["output_tokens"] == 4 * 8 and x["wrong_length"] == [] and x["compiles_after_warmup"] == 0
+    assert len(x["wall_s_runs"]) == 2 and all(_positive(w) for w in x["wall_s_runs"])
+    lo, hi = x["output_tok_s_range"]
+    assert lo <= x["output_tok_s"] <= hi
+    assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
