@@ -191,7 +191,7 @@ class StepExecutor:
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
-                      history=b.history, tokens=self._no_prev)
+                      history=b.history, tokens=self._no_prev, prev=self._no_prev)
         fn, args = self._samplers[name]
         return fn.lower(*(self._abstract(shapes[a]) for a in args))
 
@@ -242,7 +242,7 @@ class StepExecutor:
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev)
         tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy,
-                                       batch.rows, batch.history, batch.needs)
+                                       batch.rows, batch.history, prev, batch.needs)
         return tokens, logprobs, kv_pages
 
     @property

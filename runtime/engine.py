@@ -17,8 +17,9 @@ programs) hides behind the device. A decode whose input is step k's token carrie
 that the model program replaces with row i of step k's token output, on the device
 (runtime/step.py). The scheduler plans from token counts, which it knows; a request that turns
 out to have stopped at step k (EOS, stop id) wastes its row of step k+1, which resolve discards.
-Penalties need a row's previous token on the host (its history), so while any live request has
-penalties the engine resolves step k before planning k+1, as it would without lookahead.
+Penalties count a row's previous tokens, the last of which is on the device only: the packer
+puts a placeholder for it in the row's history, which the penalize program reads from step k's
+tokens as the model program does for the input token (runtime/sampling.py, history_placeholder).
 
 That holds only because the step programs never make the host wait for the device: no
 `lax.cond` on device values (XLA's GPU runtime copies a cond's predicate to the host and waits for
@@ -193,7 +194,6 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
-        self._penalized: set[str] = set()  # the live ones with penalties (their sampling keeps a history)
         self._sid_counter = itertools.count()
         self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs or None (futures)
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
@@ -237,7 +237,7 @@ class Engine:
         group.first = self.scheduler.add_request(seq.sid, prompt_ids, replace(params, n=1), eos_token_ids=self.eos_ids,
                                                  priority=priority, cache_salt=cache_salt)
         self._groups[request_id] = group
-        self._add_seq(seq)
+        self._seqs[seq.sid] = seq
         self._counts["requests"] += 1
         self._counts["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
@@ -314,8 +314,6 @@ class Engine:
         partial=False returns only the requests that finished (offline use: building a running
         request's output copies its prompt and tokens, every step, for every request)."""
         with self._watcher.watch():
-            if self._inflight is not None and self._penalized:
-                self._finish_inflight()  # penalties: the next pack needs the in-flight tokens
             plan = self.scheduler.step()
             dispatched = None
             if not plan.is_empty:
@@ -347,17 +345,8 @@ class Engine:
             children = [self._new_seq(group, i) for i in range(1, group.to_fork + 1)]
             self.scheduler.fork(seq.sid, [c.sid for c in children], [c.sampling.params for c in children])
             for c in children:
-                self._add_seq(c)
+                self._seqs[c.sid] = c
             group.to_fork = 0
-
-    def _add_seq(self, seq: _Seq) -> None:
-        self._seqs[seq.sid] = seq
-        if seq.sampling.history is not None:
-            self._penalized.add(seq.sid)
-
-    def _drop_seq(self, sid: str) -> None:
-        self._seqs.pop(sid, None)
-        self._penalized.discard(sid)
 
     def _finish_inflight(self) -> None:
         plan, tokens, logprobs = self._inflight
@@ -383,7 +372,7 @@ class Engine:
             self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
             self._counts["generated"] += 1
             if u.finish_reason is not None:
-                self._drop_seq(u.request_id)
+                del self._seqs[u.request_id]
 
     def _emit(self, partial: bool) -> list[RequestOutput]:
         touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
@@ -414,7 +403,7 @@ class Engine:
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self._drop_seq(seq.sid)
+        self._seqs.pop(seq.sid, None)
         if seq.detok is not None and not (reason == FINISH_STOP and isinstance(stop_reason, str)):
             seq.text += seq.detok.flush()
         group = seq.group
@@ -474,7 +463,7 @@ class Engine:
         self.scheduler.check_invariants()
         alloc = self.scheduler.allocator
         if not self.has_unfinished():
-            assert not self._seqs and not self._groups and not self._penalized, "live sequences remain"
+            assert not self._seqs and not self._groups, "live sequences remain"
             assert alloc.num_referenced == 0, f"{alloc.num_referenced} pages still referenced"
             assert alloc.num_free + alloc.num_cached == self.config.num_pages, (
                 f"free {alloc.num_free} + cached {alloc.num_cached} != {self.config.num_pages} pages"

@@ -2,7 +2,8 @@
 
 Per row, in order (HF's logits-processor order):
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
-     over its output tokens (OpenAI's definitions);
+     over its output tokens (OpenAI's definitions); the last output token may still be on the
+     device only (lookahead): the host history holds a placeholder for it (`history_placeholder`);
   2. EOS and stop token ids banned (-inf) while the row is below min_tokens (the host decides
      which rows and fills `banned`);
   3. greedy rows (temperature 0) take the argmax here;
@@ -248,9 +249,21 @@ def pad_slots(tokens: jax.Array, slots: int) -> jax.Array:
     return jnp.pad(tokens, (0, slots - tokens.shape[0]))
 
 
-def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, *, slots: int) -> tuple[jax.Array, jax.Array]:
-    """f32[S, V], i32[S, K], i32[S, W] -> penalized logits f32[S, V] and their greedy tokens i32[slots]."""
+def history_placeholder(token: int) -> int:
+    """The history entry for a decode's input token that is still the placeholder -(i + 1) of row i
+    of the previous step (lookahead, runtime/engine.py): -(i + 2), clear of the -1 padding.
+    `penalize` reads row i of the previous step's tokens for it, on the device."""
+    return token - 1
+
+
+def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, prev: jax.Array, *,
+             slots: int) -> tuple[jax.Array, jax.Array]:
+    """f32[S, V], i32[S, K], i32[S, W], i32[slots] -> penalized logits f32[S, V] and their greedy
+    tokens i32[slots]. A history entry -(i + 2) (`history_placeholder`) is prev[i]: the token the
+    previous step sampled in row i, which the host has not seen yet."""
     b = sampling_rows(rows)
+    pending = history <= -2
+    history = jnp.where(pending, prev[jnp.clip(-history - 2, 0, prev.shape[0] - 1)], history)
     logits = apply_penalties(logits, b, history)
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
@@ -284,7 +297,8 @@ def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logp
 
 class SamplerProgram(NamedTuple):
     fn: Callable
-    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[slots]
+    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[slots],
+    #                        "prev" i32[slots] (the previous step's tokens)
 
 
 @functools.cache
@@ -293,20 +307,21 @@ def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]
     traces and executables per function object, so engines in one process compile each shape once
     between them."""
     return {
-        "penalize": SamplerProgram(functools.partial(penalize, slots=slots), ("logits", "rows", "history")),
+        "penalize": SamplerProgram(functools.partial(penalize, slots=slots), ("logits", "rows", "history", "prev")),
         "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
         "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
         "logprobs": SamplerProgram(functools.partial(logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
     }
 
 
-def run_sampler(call: Callable, logits, greedy_tokens, rows, history, needs: SamplingNeeds):
+def run_sampler(call: Callable, logits, greedy_tokens, rows, history, prev, needs: SamplingNeeds):
     """The sampler programs one step needs, in order: `call(name, *args)` runs program `name`.
     logits: the model's raw f32[S, V]; greedy_tokens: i32[slots], `greedy` of them; history:
-    i32[S, W] (None unless needs.penalties). -> (tokens i32[slots], Logprobs or None when no row asked)."""
+    i32[S, W] (None unless needs.penalties); prev: i32[slots], the previous step's tokens (what
+    history placeholders stand for). -> (tokens i32[slots], Logprobs or None when no row asked)."""
     x, tokens = logits, greedy_tokens
     if needs.penalties:
-        x, tokens = call("penalize", logits, rows, history)
+        x, tokens = call("penalize", logits, rows, history, prev)
     if needs.random:
         tokens = call("pick_filtered" if needs.filters else "pick", x, rows)
     return tokens, call("logprobs", logits, tokens) if needs.logprobs else None

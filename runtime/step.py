@@ -30,8 +30,8 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingBatch, SamplingNeeds, empty_rows, greedy, pad_slots, put_request_rows,
-                              request_row, sampling_rows, split_seed)
+from runtime.sampling import (SamplingBatch, SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots,
+                              put_request_rows, request_row, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -229,5 +229,8 @@ class BatchPacker:
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h
+            token, n = seqs[i].token_ids[-1], samp[i].history_len
+            if token < 0 and n < len(h):  # the input token is still on the device: the history's last entry too
+                out.history[i, n] = history_placeholder(token)
         out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].params.logprobs is not None for i in rows))
         return out

@@ -24,8 +24,10 @@ from runtime.compilation import BACKEND_COMPILE_EVENT
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
+from runtime.sampling import history_placeholder
 from sharding.mesh import MeshConfig
 from tests.testing.data import shared_data_dir
+from tests.testing.greedy import greedy_generate
 
 GAP = 1e-3  # logit differences across batch compositions stay ~1e-5 here (logits have std ~8)
 VOCAB = 512
@@ -302,10 +304,10 @@ def test_eos_min_tokens_and_ignore_eos(model, engine, workload):
         e.close()
 
 
-def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, workload):
-    """Decode steps are planned while the previous step's tokens are still on the device, with the
-    min_tokens count (the plan's index of the token to sample, less the prompt) already including
-    them; with penalties the engine resolves first."""
+def test_lookahead_plans_before_tokens_are_known(engine, workload):
+    """Decode steps are planned while the previous step's tokens are still on the device, with or
+    without penalties, and with the min_tokens count (the plan's index of the token to sample, less
+    the prompt) already including them."""
     _, prompt, _ = workload[1]
     sched, packer, seen = engine.scheduler, engine.packer, []
 
@@ -318,14 +320,67 @@ def test_lookahead_plans_before_tokens_are_known_except_with_penalties(engine, w
 
     packer.pack = pack
     try:
-        run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8, stop_token_ids=[1, 2]))
-        assert all(counted for _, counted in seen) and len(seen) == 20
-        assert sum(ahead for ahead, _ in seen) == 19  # every step but the prefill
-        seen.clear()
-        run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3))
-        assert len(seen) == 20 and not any(ahead for ahead, _ in seen)
+        for params in (SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8, stop_token_ids=[1, 2]),
+                       SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)):
+            seen.clear()
+            run_one(engine, prompt, params)
+            assert all(counted for _, counted in seen) and len(seen) == 20
+            assert sum(ahead for ahead, _ in seen) == 19  # every step but the prefill
     finally:
         del packer.pack
+    check_idle(engine)
+
+
+def test_penalties_match_a_plain_loop(model, engine, workload):
+    """Greedy decoding with all three penalties through the engine, where each step's history ends
+    in a placeholder for the token still on the device, equals a plain loop: the whole sequence
+    recomputed every step (tests/testing/greedy.py) and the penalties applied in numpy (float64).
+    Compared up to the first step whose two best penalized logits are within GAP (a near-tie)."""
+    _, words, _ = workload[2]
+    # The model's own continuation in the prompt: its favourite next tokens are then often ones it
+    # has seen (after random ids alone they rarely are, and the penalties would change nothing).
+    prompt = words + greedy_generate(model, words, 24).tokens
+    rep, pres, freq, n = 1.8, 1.5, 2.0, 16  # strong enough to change tokens of a model with logit std ~8
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, repetition_penalty=rep,
+                            presence_penalty=pres, frequency_penalty=freq)
+    packer, histories = engine.packer, []
+
+    def pack(plan, sampling):
+        out = type(packer).pack(packer, plan, sampling)
+        histories.append(out.history[0].copy())
+        return out
+
+    packer.pack = pack
+    try:
+        got = run_one(engine, prompt, params).outputs[0].token_ids
+    finally:
+        del packer.pack
+    # What each step's penalize program read: the prompt and every earlier output, the last of them
+    # (after the prefill) still on the device, as a placeholder for row 0 of the previous step.
+    assert len(histories) == n
+    for j, h in enumerate(histories):
+        want = prompt + got[:j]
+        if j:
+            assert h[len(want) - 1] == history_placeholder(-1), j
+            h[len(want) - 1] = got[j - 1]
+        assert h[: len(want)].tolist() == want and (h[len(want):] == -1).all(), j
+    seq, changed = list(prompt), 0
+    for j in range(n):
+        x = greedy_generate(model, seq, 1).step_logits[0].astype(np.float64)
+        raw_best = int(x.argmax())
+        outputs = seq[len(prompt):]
+        for t in set(seq):
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        for t in set(outputs):
+            x[t] -= freq * outputs.count(t) + pres
+        top2 = np.sort(x)[-2:]
+        if top2[1] - top2[0] < GAP:
+            break
+        tok = int(x.argmax())
+        changed += tok != raw_best
+        assert got[j] == tok, (j, got, seq[len(prompt):])
+        seq.append(tok)
+    assert changed, "the penalties never changed a token: the test does not test them"
     check_idle(engine)
 
 

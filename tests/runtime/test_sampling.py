@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.sampling import (SamplingNeeds, empty_rows, greedy, pad_slots, run_sampler, sampler_programs, sampling_rows,
-                              split_seed)
+from runtime.sampling import (SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots, run_sampler,
+                              sampler_programs, sampling_rows, split_seed)
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
 SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens are padded to it
@@ -34,9 +34,10 @@ def batch(rows: int = S, **fields) -> np.ndarray:
     return b
 
 
-def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprobs=M):
+def sample(logits, rows, history=None, *, prev=None, logprobs=True, needs=None, max_logprobs=M):
     """Tokens and logprobs (None when not asked) as the executor runs the programs. needs:
-    default what the rows need, as the packer decides; a caller may switch on more."""
+    default what the rows need, as the packer decides; a caller may switch on more. prev: the
+    previous step's tokens that history placeholders stand for (default zeros)."""
     slots = max(SLOTS, len(rows))
     p = programs(max_logprobs, slots)
     logits = np.asarray(logits, np.float32)
@@ -44,7 +45,8 @@ def sample(logits, rows, history=None, *, logprobs=True, needs=None, max_logprob
         needs = SamplingNeeds.of(rows, logprobs=logprobs)
     if history is None and needs.penalties:
         history = np.full((len(rows), W), -1, np.int32)
-    tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history,
+    prev = np.zeros(slots, np.int32) if prev is None else np.asarray(prev, np.int32)
+    tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history, prev,
                              needs)
     tokens = np.asarray(tokens)
     assert tokens.shape == (slots,) and not tokens[len(rows):].any()  # padding rows are 0
@@ -111,6 +113,31 @@ def test_penalties_match_reference():
     assert tokens[0] == logits[0].argmax()  # a row without penalties is untouched
     # Logprobs stay those of the raw model distribution.
     np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
+
+
+def test_penalties_read_placeholders_from_the_previous_tokens():
+    """A history entry history_placeholder(-(i + 1)) is the previous step's token of row i, which
+    only the device has (lookahead): penalties see it exactly as if the host had written it."""
+    rng = np.random.default_rng()
+    logits = random_logits(rng, scale=0.3)
+    top = np.argsort(-logits, axis=-1)
+    history = np.full((S, W), -1, np.int32)
+    for s in range(S):
+        history[s, :6] = top[s, 1:7]  # everything but the favourite
+    prev = rng.integers(0, V, SLOTS).astype(np.int32)
+    prev[[1, 3]] = top[[0, 2], 0]  # rows 0 and 2 read their favourite: penalized, it loses the argmax
+    b = batch(num_prompt=np.full(S, 2, np.int32), repetition_penalty=1.5, presence_penalty=1.0,
+              frequency_penalty=0.5)
+    with_placeholders = history.copy()
+    with_placeholders[0, 6] = history_placeholder(-(1 + 1))  # row 0's last token: row 1 of the previous step
+    with_placeholders[2, 6] = history_placeholder(-(3 + 1))
+    resolved = history.copy()
+    resolved[0, 6], resolved[2, 6] = prev[1], prev[3]
+    got, _ = sample(logits, b, with_placeholders, prev=prev, logprobs=False)
+    ref = penalized_reference(logits, resolved, np.full(S, 2), *(np.full(S, x) for x in (1.5, 1.0, 0.5)))
+    np.testing.assert_array_equal(got, ref.argmax(-1))
+    unresolved, _ = sample(logits, b, history, prev=prev, logprobs=False)  # the token left out
+    assert (got != unresolved).any(), "the placeholders changed nothing: the test does not test them"
 
 
 def test_banned_tokens_are_never_sampled():

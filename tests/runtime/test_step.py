@@ -17,7 +17,7 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingNeeds
+from runtime.sampling import SamplingNeeds, history_placeholder
 from runtime.scheduler import ScheduledSeq, StepPlan
 from runtime.step import BatchPacker, SeqSampling, StepLayout, make_model_fn
 from sharding.rules import kv_cache_sharding
@@ -69,6 +69,21 @@ def test_engine_config_defaults_and_validation():
         EngineConfig(num_pages=3, max_model_len=64, page_size=16)
     with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
         EngineConfig(dtype="int8")
+
+
+def test_packer_marks_the_in_flight_token_in_penalty_histories():
+    """A decode whose input token is still the previous step's placeholder -(i + 1) (lookahead) gets
+    history_placeholder of it as its history's last entry; the penalize program reads it from the
+    previous step's tokens on the device."""
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB,
+                         select_bucket=BucketTable((4, 16), (2, 4)).select)
+    s = SeqSampling.create(SamplingParams(repetition_penalty=1.2), 0, [4, 5, 6], eos_ids=[2], history_len=W)
+    s.append(11)  # an output the host has seen
+    ahead = packer.pack(plan_of(seq("a", [-(3 + 1)], 4, [7], prefill=False)), {"a": s}.__getitem__)
+    np.testing.assert_array_equal(ahead.history[0, :6], [4, 5, 6, 11, history_placeholder(-4), -1])
+    assert history_placeholder(-4) == -5  # clear of the -1 padding
+    known = packer.pack(plan_of(seq("a", [12], 4, [7], prefill=False)), {"a": s}.__getitem__)
+    np.testing.assert_array_equal(known.history[0, :5], [4, 5, 6, 11, -1])  # nothing in flight: as kept
 
 
 def test_packer_lays_out_plan_and_padding():
