@@ -83,7 +83,7 @@ class SamplingBatch(NamedTuple):
 
 
 # (field, dtype, columns) of a rows buffer, in SamplingBatch order; `banned` takes the rest.
-# SamplingNeeds.of reads the first seven by position.
+# SamplingNeeds.of reads the first seven by position; request_row copies them from SamplingParams.
 _COLUMNS = (
     ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("min_p", np.float32, 1),
     ("repetition_penalty", np.float32, 1), ("presence_penalty", np.float32, 1),
@@ -122,8 +122,7 @@ def request_row(params, seed: tuple[int, int], num_prompt: int) -> bytes:
     `put_request_rows`."""
     row = _neutral_rows(1, 0).copy()
     v = sampling_rows(row)
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+    for name, _, _ in _COLUMNS[:7]:  # the settings, named as in SamplingParams
         getattr(v, name)[0] = getattr(params, name)
     v.seeds[0] = seed
     v.num_prompt[0] = num_prompt

@@ -247,7 +247,7 @@ class Scheduler:
         )
         self._next_arrival += 1
         self._requests[request_id] = req
-        self._insert_waiting(req)
+        self._insert_sorted(self._waiting, req)
         return req
 
     def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -331,7 +331,7 @@ class Scheduler:
             child.page_hashes = parent.page_hashes[:k]
             child.num_registered_pages = k  # the parent offers these pages to the prefix cache
             self._requests[child.request_id] = child
-            self._insert_waiting(child)
+            self._insert_sorted(self._waiting, child)
         return children
 
     # -- requests out ---------------------------------------------------------------------------
@@ -639,7 +639,7 @@ class Scheduler:
         req.num_preemptions += 1
         self._num_preemptions += 1
         ctx.preempted.append(req.request_id)
-        self._insert_waiting(req)
+        self._insert_sorted(self._waiting, req)
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         self._drop_pages(req)
@@ -655,13 +655,10 @@ class Scheduler:
         del self._requests[req.request_id]
         self._finished_since_plan.append(req.request_id)
 
-    def _insert_waiting(self, req: Request) -> None:
-        self._insert_sorted(self._waiting, req)
-
     @staticmethod
     def _insert_sorted(queue: list[Request], req: Request) -> None:
-        """Keep a queue in order_key order (running decodes and prefills are planned in that order;
-        inserting keeps it sorted, so no step sorts it)."""
+        """Keep a queue (waiting or running) in order_key order: both are planned in that order, and
+        inserting keeps them sorted, so no step sorts them."""
         queue.insert(bisect.bisect_right(queue, req.order_key, key=lambda r: r.order_key), req)
 
     # -- stats and checks -----------------------------------------------------------------------

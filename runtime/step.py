@@ -229,8 +229,8 @@ class BatchPacker:
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h
-            token, n = seqs[i].token_ids[-1], samp[i].history_len
-            if token < 0 and n < len(h):  # the input token is still on the device: the history's last entry too
-                out.history[i, n] = history_placeholder(token)
+            token, end = seqs[i].token_ids[-1], samp[i].history_len
+            if token < 0 and end < len(h):  # the input token is still on the device: the history's last entry too
+                out.history[i, end] = history_placeholder(token)
         out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].params.logprobs is not None for i in rows))
         return out
