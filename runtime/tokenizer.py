@@ -320,7 +320,9 @@ class Tokenizer:
             table=table,
             pieces=pieces,
             bos_id=1,
-            eos_ids=[2],
+            # llama2.c's models end a story with BOS, never with EOS (2), and run.c stops generating
+            # at BOS ("the BOS (=1) token delimits sequences"); without it a story runs on into the next.
+            eos_ids=[2, 1],
             pad_id=None,
             unk_id=0,
             add_bos=True,

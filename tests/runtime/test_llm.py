@@ -1,6 +1,7 @@
 """The offline LLM API on the real stories260K with its tokenizer: prompt forms, text, EOS, stop
 strings (matched through the incremental detokenizer, held back while streaming), logprobs, n.
-EOS handling is tested in test_engine.py: this model ends stories with BOS, never with its EOS."""
+This model ends stories with BOS, never with its EOS: like llama2.c's run.c, generation stops there
+(test_story_ends_at_bos). EOS handling in general is tested in test_engine.py."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def test_prompt_forms_and_text(llm):
     assert ids[0].prompt is None
     assert [o.outputs[0].token_ids for o in many_ids] == [o.outputs[0].token_ids for o in outs[:2]]
     llm.engine.check_invariants()
+
+
+def test_story_ends_at_bos(llm):
+    # Greedy, this prompt's story ends after 175 tokens with BOS (found with ignore_eos); run.c would
+    # stop there, and so do we, with the stop token last, as for any EOS.
+    prompt = "They all lived happily ever after."
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0].outputs[0]
+    end = free.token_ids.index(1)
+    assert 0 < end < 199 and 2 not in free.token_ids[:end]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: end + 1]
+    tok, prompt_ids = llm.tokenizer, llm.tokenizer.encode(prompt)
+    assert out.text == tok.decode(prompt_ids + free.token_ids[:end])[len(tok.decode(prompt_ids)):]
+    assert out.text and len(out.text) < len(free.text)
 
 
 def test_stop_string_truncates_text_and_streams_held_back(llm):
