@@ -192,7 +192,7 @@ class Tokenizer:
         if name not in self._chat_templates:
             raise ValueError(f"{self._source} has chat templates {sorted(self._chat_templates)} but no 'default'")
         if name not in self._compiled:
-            self._compiled[name] = _chat_environment().from_string(self._chat_templates[name])
+            self._compiled[name] = chat_template_environment().from_string(self._chat_templates[name])
         context = {
             f"{n}_token": self._pieces[i]
             for n, i in (("bos", self._bos_id), ("eos", self.eos_id), ("unk", self._unk_id), ("pad", self._pad_id))
@@ -678,7 +678,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _chat_environment():
+def chat_template_environment():
+    """The jinja2 environment HF chat templates render in (as transformers sets it up): sandboxed,
+    trim_blocks/lstrip_blocks, `{% generation %}`, loop controls, HF's `tojson`, `raise_exception`,
+    `strftime_now`. Tokenizer.apply_chat_template and the servers' --chat-template both use it."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -116,9 +116,9 @@ class ServingCore:
         cfg, mcfg = eng.config, eng.model.config
         self.engine, self.tokenizer = engine, tokenizer
         if chat_template is not None:
-            from runtime.tokenizer import _chat_environment  # the sandboxed environment HF templates need
+            from runtime.tokenizer import chat_template_environment
 
-            self._chat_template = _chat_environment().from_string(chat_template)
+            self._chat_template = chat_template_environment().from_string(chat_template)
         self.model_info = ModelInfo(
             name=self.model_name, source=source or str(getattr(eng.model, "source", "")),
             architecture=mcfg.architecture, vocab_size=mcfg.vocab_size, max_model_len=cfg.max_model_len,
