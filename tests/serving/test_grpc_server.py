@@ -127,7 +127,8 @@ def test_tokenize_and_model_info(stub, server):
     assert list(r.token_ids) == server.engine.tokenizer.encode(rendered, add_special_tokens=False)
     info = stub.ModelInfo(pb.ModelInfoRequest())
     assert (info.model, info.vocab_size, info.max_model_len, info.max_num_seqs) == (MODEL_NAME, 512, 256, 16)
-    assert list(info.eos_token_ids) == [2] and info.has_tokenizer and info.has_chat_template
+    # stories260K is a llama2.c model: BOS (1) ends a generation as EOS (2) does
+    assert list(info.eos_token_ids) == [2, 1] and info.has_tokenizer and info.has_chat_template
 
 
 def test_health_and_reflection(channel):
