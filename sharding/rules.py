@@ -75,7 +75,7 @@ def shard_over_heads(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
     interleaved K/V axis (kv_cache_sharding), the metadata whole. The heads a query reads stay on
     its device (query head i reads KV head i // (N/K'), and both split evenly:
     head_parallel_mesh)."""
-    heads, pool, whole = PartitionSpec(None, "tensor", None), PartitionSpec(None, None, "tensor", None), PartitionSpec()
+    heads, pool, whole = PartitionSpec(None, "tensor", None), _pool_spec(split=True), PartitionSpec()
     return jax.shard_map(fn, mesh=mesh, in_specs=(pool, heads, heads, heads, whole, whole, whole, whole),
                          out_specs=(heads, pool), check_vma=False)
 
@@ -123,4 +123,10 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, cfg: ModelConfig)
 def kv_cache_sharding(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> NamedSharding:
     """Sharding of one layer's pool [P, G, 2K', H]: the interleaved K/V axis splits over tensor."""
     _, kv_ok, _ = attention_layout(cfg, mesh)
-    return NamedSharding(mesh, PartitionSpec(None, None, "tensor" if kv_ok else None, None))
+    return NamedSharding(mesh, _pool_spec(split=kv_ok))
+
+
+def _pool_spec(*, split: bool) -> PartitionSpec:
+    """A pool [P, G, 2K', H]: the interleaved K/V axis over tensor (split) or whole. One layout for
+    the pool's placement (kv_cache_sharding) and its per-shard view (shard_over_heads)."""
+    return PartitionSpec(None, None, "tensor" if split else None, None)
