@@ -4,7 +4,9 @@ The programs of one step (runtime/step.py, runtime/sampling.py): the model progr
 (token bucket T, seq bucket S) pair of the table, and the sampler programs (penalize, pick,
 pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some step with
 n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S bucket (the previous
-bucket + 1) is <= T; unreachable pairs are skipped.
+bucket + 1) is <= T; unreachable pairs are skipped. With EngineConfig.decode_steps K > 1, the burst
+programs too (K decode steps in one program, runtime/step.py:make_burst_fn), per decode pair (the
+bucket of a step of n sequences with one token each) and sampler (greedy, pick, pick_filtered).
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -32,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from runtime.sampling import run_sampler, sampler_programs
-from runtime.step import PackedBatch
+from runtime.step import BURST_SAMPLERS, PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ class BucketTable:
                 f"(largest token bucket {self.token_buckets[-1]}, seq bucket {self.seq_buckets[-1]})"
             )
         return T, S
+
+    def decode_pairs(self) -> list[tuple[int, int]]:
+        """The buckets of decode-only steps (one token per sequence): where bursts run."""
+        return sorted({self.select(n, n) for n in range(1, min(self.token_buckets[-1], self.seq_buckets[-1]) + 1)})
 
     def pairs(self) -> list[tuple[int, int]]:
         out = []
@@ -134,8 +140,13 @@ class StepExecutor:
         vocab_size: int,
         max_logprobs: int,
         strict: bool,
+        burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
+        decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
     ):
+        if decode_steps > 1 and burst_fn is None:
+            raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
+        self.decode_steps = decode_steps
         self.strict = strict
         self._empty_batch = empty_batch
         self._vocab_size = vocab_size
@@ -151,6 +162,13 @@ class StepExecutor:
             model_fn,
             donate_argnums=(1,),
             static_argnums=(5, 6),  # layout, params treedef
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
+            out_shardings=(rep, rep, kv_sharding),
+        )
+        self._burst = None if burst_fn is None else jax.jit(
+            burst_fn,
+            donate_argnums=(1,),
+            static_argnums=(5, 6, 7, 8),  # layout, params treedef, steps, sampler
             in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
@@ -172,22 +190,27 @@ class StepExecutor:
         self.warmup_seconds = 0.0
 
     def program_keys(self) -> list[tuple]:
-        """Every program of the table: the model program per (T, S) pair, then the sampler programs
-        per seq bucket."""
+        """Every program of the table: the model program per (T, S) pair, the sampler programs per
+        seq bucket, then with decode_steps > 1 the burst programs per decode pair and sampler."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
-        return keys + [(name, S) for S in seq_buckets for name in self._samplers]
+        keys += [(name, S) for S in seq_buckets for name in self._samplers]
+        if self.decode_steps > 1:
+            keys += [("burst", T, S, sampler) for T, S in self.table.decode_pairs() for sampler in BURST_SAMPLERS]
+        return keys
 
     def _abstract(self, a) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding)
 
     def _lower(self, key: tuple):
-        if key[0] == "model":
-            _, T, S = key
+        if key[0] in ("model", "burst"):
+            T, S = key[1:3]
             b = self._empty_batch(T, S)
-            return self._model.lower(self._abstract_params, self._abstract_kv, self._abstract(b.flat),
-                                     self._abstract(b.rows), self._abstract(self._no_prev), b.layout,
-                                     self._param_treedef)
+            args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
+                    self._abstract(self._no_prev), b.layout, self._param_treedef)
+            if key[0] == "burst":
+                return self._burst.lower(*args, self.decode_steps, key[3])
+            return self._model.lower(*args)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
@@ -220,7 +243,12 @@ class StepExecutor:
         if exe is not None:
             return exe
         if self.warmed_up:
-            what = f"model program (T={key[1]}, S={key[2]})" if key[0] == "model" else f"{key[0]} program (S={key[1]})"
+            if key[0] == "model":
+                what = f"model program (T={key[1]}, S={key[2]})"
+            elif key[0] == "burst":
+                what = f"burst program (T={key[1]}, S={key[2]}, {key[3]})"
+            else:
+                what = f"{key[0]} program (S={key[1]})"
             msg = f"{what} was not compiled at warmup; compiling it now while serving"
             if self.strict:
                 raise CompileAfterWarmupError(msg)
@@ -231,19 +259,30 @@ class StepExecutor:
 
     def __call__(self, params, kv_pages, batch: PackedBatch, prev_tokens: jax.Array | None = None):
         """Dispatch one step: the model program, then the sampler programs `batch.needs` asks for
-        (runtime/sampling.py). Asynchronous: returns (tokens i32[slots], Logprobs or None when no
-        row asked, kv_pages) as futures at once. `prev_tokens`: the tokens a previous call returned,
-        which input tokens -(i + 1) of `batch` stand for (lookahead; runtime/engine.py)."""
+        (runtime/sampling.py); or a burst's program (batch.steps > 1). Asynchronous: returns
+        (tokens, last, Logprobs or None when no row asked, kv_pages) as futures at once; tokens is
+        i32[slots], or i32[K, slots] for a burst, and `last` i32[slots] the final model step's (the
+        next call's `prev_tokens`, which its input tokens -(i + 1) stand for: lookahead,
+        runtime/engine.py)."""
         T, S = batch.layout.T, batch.layout.S
-        model = self._executable(("model", T, S))
         leaves = self._param_leaves if params is self._params else self._param_treedef.flatten_up_to(params)
         prev = self._no_prev if prev_tokens is None else prev_tokens
+        if batch.steps > 1:
+            needs = batch.needs
+            if batch.steps != self.decode_steps or needs.penalties or needs.logprobs:
+                raise ValueError(f"a burst of {batch.steps} steps with {needs} cannot run here (decode_steps "
+                                 f"{self.decode_steps}; bursts have no penalties or logprobs)")
+            sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
+            tokens, last, kv_pages = self._executable(("burst", T, S, sampler))(leaves, kv_pages, batch.flat,
+                                                                                 batch.rows, prev)
+            return tokens, last, None, kv_pages
+        model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev)
         tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy,
                                        batch.rows, batch.history, prev, batch.needs)
-        return tokens, logprobs, kv_pages
+        return tokens, tokens, logprobs, kv_pages
 
     @property
     def compiled_buckets(self) -> list[tuple[int, int]]:

@@ -61,6 +61,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     watermark: float = 0.01  # fraction of the pool kept free when admitting
+    # K > 1: when nothing waits and every running request just decodes, a step samples K tokens
+    # per sequence in one device program (a burst; runtime/scheduler.py), paying the host's
+    # per-step work once per K tokens. A request arriving meanwhile waits up to K model steps.
+    decode_steps: int = 1
     token_buckets: tuple[int, ...] | None = None  # T values compiled; None: default_token_buckets
     seq_buckets: tuple[int, ...] | None = None  # S values compiled; None: default_seq_buckets
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
@@ -74,7 +78,7 @@ class EngineConfig:
     progress: bool = True  # tqdm progress bars (warmup, LLM.generate)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

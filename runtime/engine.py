@@ -55,7 +55,7 @@ from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
 from runtime.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams, validate_prompt
 from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
-from runtime.step import BatchPacker, SeqSampling, make_model_fn
+from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
 from sharding.mesh import mesh_axis_size
 from sharding.rules import kv_cache_sharding
 
@@ -83,6 +83,7 @@ class EngineStats:
     generated_tokens: int
     num_preemptions: int
     num_steps: int  # steps dispatched to the device
+    num_bursts: int  # of them, bursts of decode_steps model steps (EngineConfig.decode_steps)
     num_warmup_compiles: int
     num_compiles_after_warmup: int  # step programs missing from warmup plus any other compile while serving
     warmup_seconds: float
@@ -169,6 +170,7 @@ class Engine:
                 watermark=config.watermark,
                 enable_prefix_caching=config.enable_prefix_caching,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                decode_steps=config.decode_steps,
             )
         )
         kv_dtype = _DTYPES[config.kv_dtype] if config.kv_dtype else model.dtype
@@ -187,6 +189,8 @@ class Engine:
             make_model_fn(model.forward), params=model.params, kv_pages=self.kv_pages, mesh=model.mesh,
             table=self.buckets, empty_batch=self.packer.empty, vocab_size=cfg.vocab_size,
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
+            burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
+            decode_steps=config.decode_steps,
         )
         self._watcher = CompileWatcher()
         self._watcher.open()
@@ -195,7 +199,8 @@ class Engine:
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
         self._sid_counter = itertools.count()
-        self._inflight: tuple[StepPlan, object, object] | None = None  # plan, tokens, logprobs or None (futures)
+        # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor)
+        self._inflight: tuple[StepPlan, object, object, object] | None = None
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
@@ -319,13 +324,13 @@ class Engine:
             if not plan.is_empty:
                 self._fork(plan)
                 batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
-                prev = self._inflight[1] if self._inflight is not None else None
-                tokens, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev)
+                prev = self._inflight[2] if self._inflight is not None else None
+                tokens, last, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev)
                 # start the copy to the host now, ordered right after the step: reading the tokens
                 # later then waits for the step, not for a copy queued behind the next step's launch
                 # (H200, 1B batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
                 tokens.copy_to_host_async()
-                dispatched = (plan, tokens, logprobs)
+                dispatched = (plan, tokens, last, logprobs)
                 self._counts["steps"] += 1
             if self._inflight is not None:
                 self._finish_inflight()  # overlaps the step just dispatched
@@ -349,10 +354,10 @@ class Engine:
             group.to_fork = 0
 
     def _finish_inflight(self) -> None:
-        plan, tokens, logprobs = self._inflight
+        plan, tokens, _, logprobs = self._inflight
         self._inflight = None
         n = plan.num_seqs
-        sampled = np.asarray(tokens)[:n]  # blocks until the device has run the step
+        sampled = np.asarray(tokens)[..., :n]  # blocks until the device has run the step; [K, n] for a burst
         lp = None
         if logprobs is not None:  # some row asked (the step ran the logprobs program)
             lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
@@ -454,7 +459,7 @@ class Engine:
             prompt_tokens=c["prompt_tokens"], prefill_tokens=s.prefill_tokens,
             prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, prefix_cache_query_tokens=s.prefix_cache_query_tokens,
             decode_tokens=s.decode_tokens, generated_tokens=c["generated"], num_preemptions=s.num_preemptions,
-            num_steps=c["steps"], num_warmup_compiles=ex.num_warmup_compiles,
+            num_steps=c["steps"], num_bursts=s.num_bursts, num_warmup_compiles=ex.num_warmup_compiles,
             num_compiles_after_warmup=ex.num_compiles_after_warmup, warmup_seconds=ex.warmup_seconds,
         )
 

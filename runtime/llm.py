@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
+# H200, llama3_2_1b: a burst of 8 decode steps took 1.0-3.2 ms of host time to launch against
+# 0.5-1.0 ms for one step, with the same device time per step (docs/benchmarks.md).
+OFFLINE_DECODE_STEPS = 8
+
 
 @dataclass
 class CompletionOutput:
@@ -65,7 +69,9 @@ class LLM:
     """A model plus an engine, for batch generation in one process.
 
     `model` is anything `runtime.checkpoint.load_model` takes (a path or a preset name) or an
-    already loaded model; keyword arguments are EngineConfig fields.
+    already loaded model; keyword arguments are EngineConfig fields. Offline, throughput counts and
+    nothing arrives mid-run, so decode_steps defaults to OFFLINE_DECODE_STEPS here (decode bursts,
+    runtime/scheduler.py) rather than EngineConfig's 1.
     """
 
     def __init__(
@@ -80,7 +86,7 @@ class LLM:
         from runtime.engine import Engine
         from runtime.tokenizer import Tokenizer, load_tokenizer
 
-        config = EngineConfig(**engine_config)
+        config = EngineConfig(**{"decode_steps": OFFLINE_DECODE_STEPS, **engine_config})
         if isinstance(model, LoadedModel):
             loaded = model
         else:

@@ -92,6 +92,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_host_per_token(self) -> bool:
+        """Penalties (the token history) and logprobs (one row per token) need the host between
+        two tokens: such a request never decodes in a multi-step burst (runtime/scheduler.py)."""
+        return (self.logprobs is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again for recompute
@@ -168,10 +175,12 @@ class Request:
     def order_key(self) -> tuple[int, int, int]:
         return (self.priority, self.arrival, self.fork_index)
 
-    def check_stop_token(self, token_id: int) -> tuple[str, int | str | None] | None:
-        """The finish reason after `token_id` was appended, or None to keep going."""
+    def check_stop_token(self, token_id: int, n: int | None = None) -> tuple[str, int | str | None] | None:
+        """The finish reason after `token_id` was appended as output token number `n` (default: the
+        last one), or None to keep going."""
         p = self.sampling_params
-        n = len(self.token_ids) - len(self.prompt_token_ids)  # num_output_tokens (called per token per step)
+        if n is None:  # num_output_tokens, without the property call (per token per step)
+            n = len(self.token_ids) - len(self.prompt_token_ids)
         if n >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 return FINISH_STOP, None

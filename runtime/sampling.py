@@ -248,6 +248,15 @@ def pad_slots(tokens: jax.Array, slots: int) -> jax.Array:
     return jnp.pad(tokens, (0, slots - tokens.shape[0]))
 
 
+_POSITIONS_COLUMN = sum(n for name, _, n in _COLUMNS[: [c[0] for c in _COLUMNS].index("positions")])
+
+
+def advance_positions(rows: jax.Array, steps) -> jax.Array:
+    """rows i32[S, K] with every row's `positions` moved `steps` tokens on: the rows of model step j
+    of a burst (runtime/step.py), whose sampled tokens sit j places after the first step's."""
+    return rows.at[:, _POSITIONS_COLUMN].add(steps)
+
+
 def history_placeholder(token: int) -> int:
     """The history entry for a decode's input token that is still the placeholder -(i + 1) of row i
     of the previous step (lookahead, runtime/engine.py): -(i + 2), clear of the -1 padding.

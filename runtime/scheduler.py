@@ -29,6 +29,14 @@ the stops that depend on them (EOS, stop ids); a stop by length needs only the c
 at once. A request preempted while its last token is a placeholder waits for the resolve before it
 is admitted again (its page hashes need the token). update_from_output(plan, tokens) is both at once.
 
+Bursts (SchedulerConfig.decode_steps = K > 1): when nothing waits and every running request is a
+plain decode with room for K more tokens (see _burst_length), the plan is a burst: each sequence
+samples K tokens in one device program, the model step run K times with each token fed to the next
+(runtime/step.py), so the host's per-step work (this plan, packing, the launch) is paid once per K
+tokens. Applying it appends K placeholders per sequence; resolve takes [K][num_seqs] tokens and
+drops a sequence's tokens after its stop (the burst computed them anyway: waste, never output).
+Pages filled during a burst are offered to the prefix cache at resolve, when their tokens are known.
+
 n > 1: the engine adds one request, and once step() has returned the plan that completes its
 prompt (or any time later while it is live) calls fork(parent_id, child_ids): each child shares
 the parent's full prompt pages by reference and recomputes only the partial last page, under its
@@ -71,9 +79,11 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of the pool kept free when admitting (room for decodes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    decode_steps: int = 1  # K: tokens per sequence a decode-only step may sample (burst); 1 = off
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
+                     "decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -131,6 +141,10 @@ class StepPlan:
     num_decode_tokens: int
     preempted_ids: tuple[str, ...]  # lost their pages (and slot) this step; they will recompute
     finished_ids: tuple[str, ...]  # finished or aborted since the previous plan; their slots are free
+    # K > 1: a burst. Every sequence is a decode that samples K tokens, each fed to the next of K
+    # model steps run in one device program; seqs describe the first of them (token_ids, start_pos)
+    # and the whole burst (num_computed_after = start_pos + K, pages covering it).
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +185,7 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    num_bursts: int  # steps that were bursts (decode_steps > 1)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -210,14 +225,16 @@ class Scheduler:
         self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
         self._outstanding: StepPlan | None = None
         self._outstanding_reqs: list[Request] = []  # aligned with _outstanding.seqs
-        # a step applied without its tokens: (row in its plan, request, index of the placeholder in
-        # token_ids, finished by length at once) per sampling sequence; see the module docstring
-        self._unresolved: list[tuple[int, Request, int, bool]] | None = None
+        # a step applied without its tokens: its K, and per sampling sequence (row in its plan,
+        # request, index of its first placeholder in token_ids, finished by length at once); see the
+        # module docstring
+        self._unresolved: tuple[int, list[tuple[int, Request, int, bool]]] | None = None
         self._finished_since_plan: list[str] = []
         self._num_steps = 0
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._num_preemptions = 0
+        self._num_bursts = 0
 
     # -- requests in ----------------------------------------------------------------------------
     def add_request(
@@ -346,7 +363,7 @@ class Scheduler:
             return False
         if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
             raise ValueError(f"finish reason must be one of stop, length, abort; got {reason!r}")
-        if req.token_ids[-1] < 0:  # the token of an unresolved step: never delivered, dropped
+        while req.token_ids[-1] < 0:  # the tokens of an unresolved step (K of a burst): never delivered, dropped
             req.token_ids.pop()
         self._finish(req, reason, stop_reason)
         return True
@@ -378,6 +395,7 @@ class Scheduler:
             )
         ctx = _StepBuilder(budget=self.config.max_num_batched_tokens)
         G = self.config.page_size
+        K = self._burst_length()
 
         for req in list(self._running):  # 1. decodes
             if req.status is not RequestStatus.RUNNING or req.is_prefill:
@@ -386,7 +404,7 @@ class Scheduler:
                 break
             assert req.num_tokens - req.num_computed_tokens == 1, req
             # (the first test is _ensure_pages' own, without its call: 15 of 16 decode steps need no page)
-            if req.num_computed_tokens < len(req.pages) * G or self._ensure_pages(req, req.num_computed_tokens + 1, ctx):
+            if req.num_computed_tokens + K <= len(req.pages) * G or self._ensure_pages(req, req.num_computed_tokens + K, ctx):
                 ctx.add(req, 1)
 
         for req in list(self._running):  # 2. prefills partway through their prompt
@@ -403,7 +421,7 @@ class Scheduler:
         seqs = []
         n_prefill = n_decode = 0
         for req, start, n, prefill in ctx.entries.values():
-            end = start + n
+            end = start + n + K - 1  # (K > 1: decodes only, n == 1)
             seqs.append(
                 ScheduledSeq(
                     request_id=req.request_id,
@@ -412,14 +430,14 @@ class Scheduler:
                     start_pos=start,
                     num_computed_after=end,
                     pages=tuple(req.pages),
-                    sample=end == req.num_tokens,
+                    sample=start + n == req.num_tokens,
                     is_prefill=prefill,
                 )
             )
             if prefill:
                 n_prefill += n
             else:
-                n_decode += n
+                n_decode += n + K - 1
         plan = StepPlan(
             step_id=self._num_steps,
             seqs=tuple(seqs),
@@ -427,26 +445,34 @@ class Scheduler:
             num_decode_tokens=n_decode,
             preempted_ids=tuple(ctx.preempted),
             finished_ids=tuple(self._finished_since_plan),
+            num_steps=K,
         )
         self._finished_since_plan = []
         self._num_steps += 1
         self._prefill_tokens += n_prefill
         self._decode_tokens += n_decode
         if seqs:
+            self._num_bursts += K > 1
             self._outstanding = plan
             self._outstanding_reqs = [e[0] for e in ctx.entries.values()]
         return plan
 
-    def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence[int] | None) -> list[SeqUpdate]:
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: Sequence | None) -> list[SeqUpdate]:
         """Apply a finished step: sampled_token_ids[i] is what plan.seqs[i] sampled (ignored where
-        seqs[i].sample is False). Returns one SeqUpdate per sampled token of a live request.
+        seqs[i].sample is False); for a burst (plan.num_steps K > 1) it is [K][num_seqs], the
+        tokens of each of the K model steps. Returns one SeqUpdate per sampled token of a live
+        request, in order.
 
         With None, the step is applied without its tokens (lookahead, see the module docstring):
         placeholders stand in for them until resolve(tokens); returns []."""
         if plan is not self._outstanding:
             raise ValueError(f"plan {plan.step_id} is not the outstanding plan")
-        if sampled_token_ids is not None and len(sampled_token_ids) != len(plan.seqs):
-            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} scheduled sequences")
+        K = plan.num_steps
+        if sampled_token_ids is not None:
+            got = (len(sampled_token_ids),) if K == 1 else (len(sampled_token_ids), len(sampled_token_ids[0]))
+            want = (len(plan.seqs),) if K == 1 else (K, len(plan.seqs))
+            if got != want:
+                raise ValueError(f"sampled tokens of shape {got} for {want[-1]} scheduled sequences over {K} steps")
         if self._unresolved is not None:
             raise RuntimeError("the previous step's tokens are unresolved: call resolve(tokens) first")
         reqs, self._outstanding, self._outstanding_reqs = self._outstanding_reqs, None, []
@@ -456,25 +482,31 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted after the plan was made (its id may be reused)
             req.num_computed_tokens = seq.num_computed_after
-            if caching and seq.num_computed_after // G > req.num_registered_pages:  # a page filled up
+            # (a burst's pages hold K/V of tokens still unknown here: they are registered at resolve)
+            if caching and K == 1 and seq.num_computed_after // G > req.num_registered_pages:  # a page filled up
                 self._register_pages(req)
             if not seq.sample:
                 continue
-            req.token_ids.append(-(row + 1))
+            # (a burst may run past max_tokens: the tokens beyond it are never taken)
+            k = min(K, req.max_tokens - req.num_output_tokens)
+            req.token_ids.extend([-(row + 1)] * k)
             by_length = req.num_output_tokens >= req.max_tokens
             if by_length:
                 self._finish(req, FINISH_LENGTH, None)
-            pending.append((row, req, len(req.token_ids) - 1, by_length))
-        self._unresolved = pending
+            pending.append((row, req, len(req.token_ids) - k, by_length))
+        self._unresolved = (K, pending)
         return [] if sampled_token_ids is None else self.resolve(sampled_token_ids)
 
-    def resolve(self, sampled_token_ids: Sequence[int]) -> list[SeqUpdate]:
+    def resolve(self, sampled_token_ids: Sequence) -> list[SeqUpdate]:
         """The tokens of the step applied by update_from_output(plan, None), indexed like its plan's
-        seqs. Returns one SeqUpdate per sampled token of a request still live (or just finished
-        by length) when the step was applied and not finished or aborted since."""
-        pending, self._unresolved = self._unresolved, None
-        if pending is None:
+        seqs ([K][num_seqs] for a burst). Returns one SeqUpdate per sampled token of a request
+        still live (or just finished by length) when the step was applied and not finished or
+        aborted since; a burst's tokens after a stop are dropped."""
+        if self._unresolved is None:
             raise RuntimeError("no step awaits its tokens")
+        (K, pending), self._unresolved = self._unresolved, None
+        if K > 1:
+            return self._resolve_burst([[int(t) for t in step] for step in sampled_token_ids], pending)
         updates = []
         sampled = [int(t) for t in sampled_token_ids]  # one pass (indexing a numpy array per row cost more)
         for row, req, index, by_length in pending:
@@ -489,6 +521,51 @@ class Scheduler:
                 self._finish(req, *done)
             updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
         return updates
+
+    def _resolve_burst(self, sampled: list[list[int]], pending) -> list[SeqUpdate]:
+        updates = []
+        G, caching = self.config.page_size, self.prefix_cache is not None
+        for row, req, index, by_length in pending:
+            if req.status is RequestStatus.FINISHED and not by_length:
+                continue
+            n0 = index - len(req.prompt_token_ids)  # output tokens before the burst
+            for j in range(len(req.token_ids) - index):  # its placeholders: K, or fewer up to max_tokens
+                token = sampled[j][row]
+                req.token_ids[index + j] = token
+                done = req.check_stop_token(token, n0 + j + 1)
+                if done is None:
+                    updates.append(SeqUpdate(req.request_id, token, None, None))
+                    continue
+                del req.token_ids[index + j + 1 :]  # the burst ran on past the stop: dropped
+                if by_length:
+                    req.finish_reason, req.stop_reason = done
+                else:
+                    self._finish(req, *done)
+                updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
+                break
+            if caching and req.status is RequestStatus.RUNNING and req.num_computed_tokens // G > req.num_registered_pages:
+                self._register_pages(req)
+        return updates
+
+    def _burst_length(self) -> int:
+        """K when the next step can be a burst (SchedulerConfig.decode_steps), else 1: nothing waits
+        (a burst would delay its admission by K steps), every running request decodes and needs no
+        host work between tokens (penalties, logprobs, min_tokens bans), the K positions fit its
+        page table, and the pages for them are free without preempting anyone. A request with fewer
+        than K tokens left under max_tokens runs the whole burst; its tokens past max_tokens are
+        dropped (computed in pages it holds until it finishes)."""
+        K = self.config.decode_steps
+        if K == 1 or self._waiting or not self._running:
+            return 1
+        G, need = self.config.page_size, 0
+        capacity = self.config.max_pages_per_seq * G
+        for req in self._running:
+            p = req.sampling_params
+            if (req.is_prefill or p.needs_host_per_token or req.num_output_tokens < p.min_tokens
+                    or req.num_computed_tokens + K > capacity):
+                return 1
+            need += _cdiv(req.num_computed_tokens + K, G) - len(req.pages)
+        return K if need <= self.allocator.num_available else 1
 
     # -- internals ------------------------------------------------------------------------------
     def _ensure_pages(self, req: Request, num_tokens: int, ctx: _StepBuilder) -> bool:
@@ -675,6 +752,7 @@ class Scheduler:
             prefix_cache_query_tokens=pc.num_query_tokens if pc else 0,
             prefix_cache_hit_tokens=pc.num_hit_tokens if pc else 0,
             num_preemptions=self._num_preemptions,
+            num_bursts=self._num_bursts,
             num_steps=self._num_steps,
         )
 

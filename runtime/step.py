@@ -30,8 +30,9 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingBatch, SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots,
-                              put_request_rows, request_row, sampling_rows, split_seed)
+from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_positions, empty_rows, greedy,
+                              history_placeholder, pad_slots, pick, put_request_rows, request_row, sampling_rows,
+                              split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -77,6 +78,7 @@ class PackedBatch:
     rows: np.ndarray  # i32[S, K]: sampling rows (runtime/sampling.py)
     history: np.ndarray | None  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded
     needs: SamplingNeeds  # which sampler programs the step runs
+    steps: int = 1  # K > 1: a burst (StepPlan.num_steps); the arrays describe its first model step
 
     @property
     def step(self) -> StepBatch:  # numpy views into flat
@@ -85,6 +87,16 @@ class PackedBatch:
     @property
     def sampling(self) -> SamplingBatch:  # numpy views into rows
         return sampling_rows(self.rows)
+
+
+def _cached(forward: Callable, name: str, build: Callable) -> Callable:
+    try:
+        cache = forward.__dict__
+    except AttributeError:  # a callable without attributes: no sharing
+        return build(forward)
+    if name not in cache:
+        cache[name] = build(forward)
+    return cache[name]
 
 
 def make_model_fn(forward: Callable) -> Callable:
@@ -100,25 +112,66 @@ def make_model_fn(forward: Callable) -> Callable:
     lowerings and executables per function object, so engines over the same loaded model (several
     configs in one process, tests) compile each bucket shape once between them.
     """
-    try:
-        cache = forward.__dict__
-    except AttributeError:  # a callable without attributes: no sharing
-        return _build_model_fn(forward)
-    if "_xlaserve_model_fn" not in cache:
-        cache["_xlaserve_model_fn"] = _build_model_fn(forward)
-    return cache["_xlaserve_model_fn"]
+    return _cached(forward, "_xlaserve_model_fn", _build_model_fn)
+
+
+def _input_tokens(b: StepBatch, prev):
+    return jnp.where(b.tokens < 0, prev[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
 
 
 def _build_model_fn(forward: Callable) -> Callable:
     def model(param_leaves, kv_pages, flat, rows, prev, layout: StepLayout, treedef):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
-        tokens = jnp.where(b.tokens < 0, prev[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
-        logits, kv_pages = forward(params, tokens, b.positions, kv_pages, b.attn, b.logits_indices)
+        logits, kv_pages = forward(params, _input_tokens(b, prev), b.positions, kv_pages, b.attn, b.logits_indices)
         logits = logits.astype(jnp.float32)
         return logits, pad_slots(greedy(logits, sampling_rows(rows).banned), prev.shape[0]), kv_pages
 
     return model
+
+
+BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
+
+
+def make_burst_fn(forward: Callable) -> Callable:
+    """burst(param_leaves, kv_pages, flat, rows, prev, layout, treedef, steps, sampler) -> (tokens
+    i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode steps in one program
+    (StepPlan.num_steps). The packed batch is its first model step, one token per sequence; model
+    step j feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j
+    (its pages cover the whole burst), and samples with the rows' positions + j, so each token is
+    what a single step at that position would give: the same model program body and, per
+    `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program (the
+    packer never makes a burst of rows with penalties, logprobs or bans in force). `last` is the
+    final model step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA runs
+    it without reading anything back to the host (runtime/sampling.py). Jit it with kv_pages
+    donated and layout, treedef, steps, sampler static; one function object per forward, as
+    make_model_fn."""
+    return _cached(forward, "_xlaserve_burst_fn", _build_burst_fn)
+
+
+def _build_burst_fn(forward: Callable) -> Callable:
+    def burst(param_leaves, kv_pages, flat, rows, prev, layout: StepLayout, treedef, steps: int, sampler: str):
+        params = treedef.unflatten(param_leaves)
+        b = layout.unflatten(flat)
+        slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
+        live = b.attn.kv_lens > 0
+
+        def step(j, carry):
+            kv_pages, tokens, out, _ = carry
+            attn = b.attn._replace(kv_lens=jnp.where(live, b.attn.kv_lens + j, 0))
+            logits, kv_pages = forward(params, tokens, b.positions + j, kv_pages, attn, b.logits_indices)
+            logits = logits.astype(jnp.float32)
+            if sampler == "greedy":
+                t = pad_slots(greedy(logits, sampling_rows(rows).banned), slots)
+            else:
+                t = pick(logits, advance_positions(rows, j), filters=sampler == "pick_filtered", slots=slots)
+            return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t
+
+        init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev)
+        kv_pages, _, out, last = jax.lax.fori_loop(0, steps, step, init)
+        return out, last, kv_pages
+
+    return burst
 
 
 @dataclass
@@ -185,13 +238,15 @@ class BatchPacker:
         left None rather than filled and shipped: only the penalize program reads it, and it does
         not run then.
         """
-        n_tok = plan.num_prefill_tokens + plan.num_decode_tokens
+        K = plan.num_steps  # a burst's arrays are its first model step: kv_len and sampled index K - 1 back
+        n_tok = plan.num_prefill_tokens + plan.num_decode_tokens // K
         n = plan.num_seqs
         T, S = self.select_bucket(n_tok, n)
         seqs = plan.seqs
         samp = [sampling(seq.request_id) if seq.sample else None for seq in seqs]
         histories = [(i, s.history) for i, s in enumerate(samp) if s is not None and s.history is not None]
         out = self.empty(T, S, history=bool(histories))
+        out.steps = K
         b, sb = out.step, out.sampling
         m = b.attn
         # Per-sequence values are gathered into lists and written with one numpy assignment each
@@ -201,9 +256,9 @@ class BatchPacker:
             m.cu_q_lens[1 : n + 1] = cu
             m.cu_q_lens[n + 1 :] = cu[-1]
             b.logits_indices[:n] = cu - 1
-            m.kv_lens[:n] = [seq.num_computed_after for seq in seqs]
+            m.kv_lens[:n] = [seq.num_computed_after - (K - 1) for seq in seqs]
         # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
-        d = plan.num_decode_tokens
+        d = plan.num_decode_tokens // K
         if d:
             b.tokens[:d] = [seq.token_ids[0] for seq in seqs[:d]]
             b.positions[:d] = [seq.start_pos for seq in seqs[:d]]
@@ -222,10 +277,10 @@ class BatchPacker:
         if not rows:
             return out
         put_request_rows(out.rows, rows, [samp[i].row for i in rows])
-        sb.positions[rows] = [seqs[i].num_computed_after for i in rows]  # the index the sampled token will have
+        sb.positions[rows] = [seqs[i].num_computed_after - (K - 1) for i in rows]  # the index the sampled token will have
         for i in rows:
             s = samp[i]
-            if seqs[i].num_computed_after < s.ban_before:  # below min_tokens
+            if seqs[i].num_computed_after - (K - 1) < s.ban_before:  # below min_tokens (never in a burst)
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h

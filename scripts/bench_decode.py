@@ -17,6 +17,9 @@ threaded through (median over repetitions, warmed up, block_until_ready at the e
             the host->device copy of the batch, two flat arrays, is in every step);
   engine    (B = 1 only) `Engine.step()` in steady decode: scheduling, packing, dispatch, output
             handling; median wall time between consecutive steps.
+  engine, bursts  (B = 1 only, `--decode-steps` K > 1) the same loop on an engine with
+            EngineConfig.decode_steps = K: K decode steps per program (runtime/scheduler.py);
+            wall time per token over 4 x `--steps` tokens once the first burst is out.
 
 Bytes that must move per step = the weights read at decode (every parameter array except an untied
 embedding table, of which only B rows are gathered) + every K/V row of the context + the new K/V
@@ -33,6 +36,7 @@ The main measurement itself also runs in a child so that no process holds the de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -261,7 +265,7 @@ def run_child(args) -> dict:
             measured["step"], kv, disp["step"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
 
             def call(kv, hb=hb):
-                return ex(loaded.params, kv, hb)[2]
+                return ex(loaded.params, kv, hb)[3]
 
             measured["executor"], kv, disp["executor"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
             for k, t in measured.items():
@@ -318,6 +322,33 @@ def run_child(args) -> dict:
             engine.check_invariants()
             print(f"{name}: engine.step() batch-1 decode {1 / t:.1f} tok/s, MBU {row['engine_mbu']:.1%} "
                   f"(median of {len(gaps)} step intervals)", flush=True)
+        if 1 in batches and not args.no_engine and args.decode_steps > 1:
+            # the same loop with decode bursts: its own small engine (the pool of one sequence)
+            del engine, kv
+            K = args.decode_steps
+            burst_len = -(-(args.ctx + 4 * eng_steps + 8) // G) * G
+            bcfg = dataclasses.replace(
+                cfg, decode_steps=K, max_num_seqs=1, seq_buckets=(1,), token_buckets=(1, prefill_T),
+                max_num_batched_tokens=prefill_T, max_model_len=burst_len, num_pages=2 * (burst_len // G) + 2,
+                warmup=True)
+            engine = Engine(loaded, bcfg)
+            prompt = rng.integers(0, mc.vocab_size, args.ctx).tolist()
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4 * eng_steps, ignore_eos=True))
+            stamps, n_out = [], 0
+            while engine.has_unfinished():
+                outs = engine.step()
+                for o in outs:
+                    n_out = len(o.outputs[0].token_ids)
+                stamps.append((time.perf_counter(), n_out))
+            # steady decode: from the first output past the prefill and one burst to the last
+            (t0, n0), (t1, n1) = next((t, n) for t, n in stamps if n > K + 1), stamps[-1]
+            t = (t1 - t0) / (n1 - n0)
+            row.update(engine_burst_s=t, engine_burst_tok_s=1 / t, engine_burst_mbu=row["bytes_per_step"] / t / bw,
+                       engine_burst_tokens_timed=n1 - n0, decode_steps=K)
+            engine.check_invariants()
+            print(f"{name}: engine.step() batch-1 decode with bursts of {K}: {1 / t:.1f} tok/s, MBU "
+                  f"{row['engine_burst_mbu']:.1%} ({n1 - n0} tokens in {t1 - t0:.3f} s)", flush=True)
+            kv = None
         del engine, kv, loaded, compiled, jobs, ex
         import gc
 
@@ -330,7 +361,7 @@ def run_child(args) -> dict:
 
 def _fmt_row(r: dict) -> str:
     parts = [f"{r['model']:>12} B={r['batch']:<4}"]
-    for k in ("model", "step", "executor", "engine"):
+    for k in ("model", "step", "executor", "engine", "engine_burst"):
         if f"{k}_s" in r:
             d = f" (returns after {r[f'{k}_dispatch_s'] * 1e3:.3f} ms)" if f"{k}_dispatch_s" in r else ""
             parts.append(f"{k} {r[f'{k}_s'] * 1e3:7.3f} ms {r[f'{k}_tok_s']:9.1f} tok/s {r[f'{k}_mbu']:6.1%}{d}")
@@ -341,11 +372,12 @@ def table(res: dict) -> str:
     bw = res["copy_bytes_per_s"]
     lines = [f"device {res['device']}, jax {res['jax']}, copy {bw / 1e12:.2f} TB/s, ctx {res['ctx']}, "
              f"XLA_FLAGS={res['xla_flags'] or '(none)'}",
-             "| model | B | floor tok/s | model: tok/s (MBU) | step: tok/s (MBU) | executor: tok/s (MBU) | engine.step: tok/s (MBU) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | B | floor tok/s | model: tok/s (MBU) | step: tok/s (MBU) | executor: tok/s (MBU) | "
+             "engine.step: tok/s (MBU) | engine.step, bursts: tok/s (MBU) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         cells = [r["model"], str(r["batch"]), f"{r['batch'] / r['floor_s']:,.0f}"]
-        for k in ("model", "step", "executor", "engine"):
+        for k in ("model", "step", "executor", "engine", "engine_burst"):
             cells.append(f"{r[f'{k}_tok_s']:,.1f} ({r[f'{k}_mbu']:.1%})" if f"{k}_s" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -355,7 +387,7 @@ def _child_cmd(args, out: str, models, batches, model_batches, no_engine: bool) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", out, "--models", *models,
            "--batches", *map(str, batches), "--model-batches", *map(str, model_batches), "--ctx", str(args.ctx),
            "--steps", str(args.steps), "--page-size", str(args.page_size), "--copy-elems", str(args.copy_elems),
-           "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps)]
+           "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps), "--decode-steps", str(args.decode_steps)]
     if args.profile and out.endswith("main.json"):
         cmd += ["--profile", args.profile]
     return cmd + (["--no-engine"] if no_engine else [])
@@ -381,7 +413,9 @@ def main() -> None:
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
     ap.add_argument("--min-rep-s", type=float, default=0.2)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-engine", action="store_true", help="skip the engine.step() loop")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine.step() loops")
+    ap.add_argument("--decode-steps", type=int, default=8,
+                    help="K of the batch-1 engine loop with decode bursts (EngineConfig.decode_steps); 1: skip it")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace 20 batch-1 steps (model and step) with jax.profiler into DIR and list the kernels")
     ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")

@@ -15,7 +15,8 @@ the range: on the H200 here, single runs of the same generate varied by up to a 
 keep xlaserve's prefix cache from serving a repeat's prefill.
 
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
-small bucket table (warmup compile time is reported apart), one short warm-up generate, then the
+small bucket table (warmup compile time is reported apart), LLM's decode bursts (`--decode-steps`
+sets EngineConfig.decode_steps; 1 turns them off), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
 step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
 no tokenizer).
@@ -86,6 +87,8 @@ def run_xla(args) -> dict:
                seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
     if args.num_pages:
         cfg["num_pages"] = args.num_pages
+    if args.decode_steps is not None:
+        cfg["decode_steps"] = args.decode_steps
     t0 = time.perf_counter()
     llm = LLM(f"dummy:{args.model}", **cfg)
     init_s = time.perf_counter() - t0
@@ -115,7 +118,9 @@ def run_xla(args) -> dict:
         "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
         **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
         "wrong_length": bad[:5], "repeats": args.repeats,
+        "decode_steps": eng.config.decode_steps,
         "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run
+        "bursts": (st2.num_bursts - st1.num_bursts) / args.repeats,  # per run, of the steps
         "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
         "prefill_tokens": (st2.prefill_tokens - st1.prefill_tokens) / args.repeats,  # per run
         "compiles_after_warmup": st2.num_compiles_after_warmup,
@@ -238,6 +243,8 @@ def main() -> None:
     ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 256])
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-pages", type=int, default=None, help="default: the engine's estimate from free memory")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="EngineConfig.decode_steps (decode bursts); default: LLM's (runtime/llm.py)")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
@@ -290,7 +297,8 @@ def main() -> None:
 
     if "output_tok_s" in x:
         print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
-              f"{x['wall_s']:.2f} | {x['steps']:.0f} steps a run, {x['preemptions']} preemptions, warmup "
+              f"{x['wall_s']:.2f} | {x['steps']:.0f} steps a run ({x['bursts']:.0f} bursts of {x['decode_steps']}), "
+              f"{x['preemptions']} preemptions, warmup "
               f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s |")
     elif "xla" in result:
         print(f"| xlaserve | failed: {x.get('error')} |")

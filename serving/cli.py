@@ -104,6 +104,8 @@ _SERVE_FLAGS = [
     ("--page-size", "engine", "page_size", dict(type=int)),
     ("--num-pages", "engine", "num_pages", dict(type=int)),
     ("--max-logprobs", "engine", "max_logprobs", dict(type=int)),
+    ("--decode-steps", "engine", "decode_steps",
+     dict(type=int, help="decode steps per device program when nothing waits (bursts); 1: off")),
     ("--kv-memory-fraction", "engine", "kv_memory_fraction", dict(type=float)),
     ("--seed", "engine", "seed", dict(type=int)),
     ("--no-prefix-caching", "engine", "enable_prefix_caching", dict(action="store_const", const=False)),
@@ -185,7 +187,7 @@ def cmd_generate(args) -> int:
     chunk = min(_bucket(len(prompt_ids)), 512)  # longer prompts prefill in chunks of 512
     llm = LLM(loaded, tokenizer=tok, mesh=mesh, max_num_seqs=1, max_num_batched_tokens=chunk,
               token_buckets=tuple(sorted({16, chunk})), seq_buckets=(1,), max_model_len=_bucket(total),
-              seed=args.seed, progress=not args.json)
+              seed=args.seed, progress=not args.json, decode_steps=1)  # (bursts: 3 more programs to compile)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
     out = llm.generate([prompt_ids], params, use_tqdm=False)[0]

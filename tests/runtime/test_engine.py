@@ -220,6 +220,59 @@ def test_preemption_equals_alone(tiny, workload, alone):
     assert_matches_alone(alone, results)
 
 
+@pytest.fixture(scope="module")
+def bursts(model):
+    e = make_engine(model, decode_steps=4)
+    yield e
+    e.close()
+
+
+def test_bursts_equal_single_steps(bursts, workload, alone):
+    """Decode bursts (4 model steps per program) give the tokens single steps give: in the mixed
+    workload, and each request alone (where all of its decode runs in bursts but the tail)."""
+    with CompileCounter() as compiles:
+        results = run_workload(bursts, workload)
+    assert compiles.count == 0
+    assert_matches_alone(alone, results)
+    ran = bursts.stats().num_bursts
+    assert ran > 0, "the workload never ran a burst"
+    solo = {rid: run_one(bursts, prompt, params) for rid, prompt, params in workload[:8]}
+    assert bursts.stats().num_bursts > ran + 4
+    assert_matches_alone({rid: alone[rid] for rid in solo}, solo)
+    check_idle(bursts)
+
+
+def test_bursts_stop_where_single_steps_stop(engine, bursts, workload):
+    _, prompt, _ = workload[1]
+    ref = run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=30)).outputs[0].token_ids
+    for k in range(1, 9):  # the prefill samples token 0; a burst then samples 1-4, the next 5-8
+        stop = ref[k]
+        first = ref.index(stop)
+        out = run_one(bursts, prompt, SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])).outputs[0]
+        assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    for n in (5, 6, 9):  # max_tokens: bursts while 4 tokens fit, then single steps
+        out = run_one(bursts, prompt, SamplingParams(temperature=0.0, max_tokens=n)).outputs[0]
+        assert out.token_ids == ref[:n] and out.finish_reason == "length"
+    check_idle(bursts)
+
+
+def test_bursts_sample_as_single_steps(engine, bursts, workload):
+    """Seeded random sampling (the pick and pick_filtered bursts) draws the same tokens."""
+    rng = np.random.default_rng()
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_k=20), dict(temperature=1.2, top_p=0.7),
+             dict(temperature=0.9, min_p=0.1), dict(temperature=0.0)]
+    reqs = [(rid, prompt, SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=params.max_tokens + 8,
+                                         **kinds[i % len(kinds)]))
+            for i, (rid, prompt, params) in enumerate(workload[:10])]
+    single = {rid: run_one(engine, prompt, params) for rid, prompt, params in reqs}
+    before = bursts.stats().num_bursts
+    for results in ({rid: run_one(bursts, prompt, params) for rid, prompt, params in reqs},
+                    run_workload(bursts, reqs)):
+        for rid, ref in single.items():
+            assert results[rid].outputs[0].token_ids == ref.outputs[0].token_ids, rid
+    assert bursts.stats().num_bursts > before
+
+
 def sampled_workload(workload):
     rng = np.random.default_rng()
     kinds = [
@@ -413,7 +466,9 @@ def test_rejects_requests_that_can_never_run(engine):
     assert not engine.has_unfinished()
 
 
-def test_cancel_frees_pages_immediately(engine, workload):
+@pytest.mark.parametrize("which", ["engine", "bursts"])
+def test_cancel_frees_pages_immediately(which, request, workload):
+    engine = request.getfixturevalue(which)
     alloc = engine.scheduler.allocator
     params = SamplingParams(temperature=0.0, max_tokens=100)
     ids = [engine.add_request(workload[i][1], params) for i in range(3)]

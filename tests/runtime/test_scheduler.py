@@ -51,27 +51,40 @@ class FakeDevice:
         self.G = cfg.page_size
         self.kv = [[None] * cfg.page_size for _ in range(cfg.num_pages)]
         self.refcounts = {}
+        self.sampled = {}  # (request id, index in its token_ids) -> the token sampled there
+
+    def known(self, req, n: int) -> list[int]:
+        """req's first n tokens, placeholders replaced by what this device sampled there (a
+        burst's placeholders all name its last row; the ones before are never fed again)."""
+        return [t if t >= 0 else self.sampled[req.request_id, i] for i, t in enumerate(req.token_ids[:n])]
 
     def planned(self, plan) -> None:
         """Call right after step(): pages written by a plan must be held by their sequence only
         at that point (a fork made before the step runs may share them; it reads them later)."""
         self.refcounts = {p: self.sched.allocator.refcount(p) for s in plan.seqs for p in s.pages}
 
-    def run(self, plan, prev: list[int] | None = None) -> list[int]:
+    def run(self, plan, prev: list | None = None) -> list:
         """Run a plan. `prev`: the previous step's output, which placeholder tokens (-(row + 1), a
-        plan made before that step was resolved) are read from, as the engine's step does."""
-        G, cfg = self.G, self.sched.config
+        plan made before that step was resolved) are read from, as the engine's step does (from
+        its last model step's tokens when it was a burst). A burst (plan.num_steps K > 1) runs K
+        model steps, each feeding a sequence the token it sampled in the one before, and returns
+        [K][num_seqs] tokens."""
+        G, cfg, K = self.G, self.sched.config, plan.num_steps
+        if prev is not None and isinstance(prev[0], list):
+            prev = prev[-1]
 
         def real(t):
             return t if t >= 0 else prev[-t - 1]
 
-        assert plan.num_tokens <= cfg.max_num_batched_tokens
+        assert plan.num_tokens <= cfg.max_num_batched_tokens * K
         assert plan.num_seqs <= cfg.max_num_seqs
         assert len({s.slot for s in plan.seqs}) == plan.num_seqs
         assert len({s.request_id for s in plan.seqs}) == plan.num_seqs
         flags = [s.is_prefill for s in plan.seqs]
         assert flags == sorted(flags), "decodes must come before prefill chunks"
-        assert plan.num_decode_tokens == sum(s.q_len for s in plan.seqs if not s.is_prefill)
+        assert plan.num_decode_tokens == K * sum(s.q_len for s in plan.seqs if not s.is_prefill)
+        if K > 1:
+            return self._run_burst(plan, real)
         # Like the model: every layer writes all new K/V before any sequence attends.
         for s in plan.seqs:
             assert s.q_len >= 1 and s.num_computed_after == s.start_pos + s.q_len
@@ -87,10 +100,39 @@ class FakeDevice:
             assert all(r is not None and r[1] == p for p, r in enumerate(read)), f"{s.request_id}: bad KV"
             context = [r[0] for r in read]
             req = self.sched.get_request(s.request_id)
-            assert context == [real(t) for t in req.token_ids[: s.kv_len]], f"{s.request_id}: KV holds other tokens"
+            assert context == self.known(req, s.kv_len), f"{s.request_id}: KV holds other tokens"
             assert s.sample == (s.kv_len == req.num_tokens)
             out.append(next_token(context) if s.sample else -1)
+            self.sampled[s.request_id, s.kv_len] = out[-1]
         return out
+
+    def _run_burst(self, plan, real) -> list[list[int]]:
+        G, K = self.G, plan.num_steps
+        for s in plan.seqs:
+            assert not s.is_prefill and s.q_len == 1 and s.sample
+            assert s.num_computed_after == s.start_pos + K
+            assert len(s.pages) == -(-s.num_computed_after // G) <= self.sched.config.max_pages_per_seq
+        fed = [real(s.token_ids[0]) for s in plan.seqs]
+        outs = []
+        for j in range(K):
+            for s, t in zip(plan.seqs, fed):
+                pos = s.start_pos + j
+                page = s.pages[pos // G]
+                assert self.refcounts[page] == 1, f"write into shared page {page}"
+                self.kv[page][pos % G] = (t, pos)
+            out = []
+            for row, s in enumerate(plan.seqs):
+                n = s.start_pos + j + 1
+                read = [self.kv[s.pages[p // G]][p % G] for p in range(n)]
+                assert all(r is not None and r[1] == p for p, r in enumerate(read)), f"{s.request_id}: bad KV"
+                req = self.sched.get_request(s.request_id)
+                known = self.known(req, s.start_pos + 1) + [o[row] for o in outs]
+                assert [r[0] for r in read] == known, f"{s.request_id}: KV holds other tokens"
+                out.append(next_token(known))
+                self.sampled[s.request_id, n] = out[-1]
+            outs.append(out)
+            fed = out
+        return outs
 
 
 class Harness:
@@ -472,6 +514,66 @@ def test_fork_shares_prompt_pages_and_recomputes_only_the_tail():
             h.sched.fork("p", ["late"])
 
 
+# -- bursts ---------------------------------------------------------------------------------------
+def test_bursts_run_only_plain_decodes_with_room_and_pages():
+    rng = random.Random(5)
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=4, decode_steps=4)
+    h.add("a", rand_prompt(rng, 6), SamplingParams(max_tokens=11, ignore_eos=True))
+    assert h.step().num_steps == 1  # the prefill
+    plan = h.step()
+    assert plan.num_steps == 4 and plan.num_decode_tokens == 4
+    (s,) = plan.seqs
+    assert (s.start_pos, s.num_computed_after, len(s.pages)) == (6, 10, 3)
+    assert h.reqs["a"].num_output_tokens == 5
+    assert h.reqs["a"].num_registered_pages == 2  # pages filled by the burst go to the prefix cache
+    h.add("b", rand_prompt(rng, 5), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert h.step().num_steps == 1  # b waits: no burst delays its admission
+    plan = h.step()  # b has 2 tokens left: the burst computes 4, b takes 2 and finishes
+    assert plan.num_steps == 4 and h.reqs["b"].finish_reason == "length"
+    assert (h.reqs["a"].num_output_tokens, h.reqs["b"].num_output_tokens) == (10, 3)
+    plan = h.step()  # a's last token (of 11): a burst still, as nothing waits
+    assert plan.num_steps == 4 and h.reqs["a"].is_finished and h.reqs["a"].num_output_tokens == 11
+    h.check_all_exact()
+    h.check_drained()
+    # Requests that need the host between tokens never burst, nor do those below min_tokens.
+    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.2), SamplingParams(max_tokens=12, logprobs=1),
+                   SamplingParams(max_tokens=12, frequency_penalty=0.5)):
+        h = Harness(num_pages=64, page_size=4, decode_steps=4)
+        h.add("p", rand_prompt(rng, 5), params)
+        h.run()
+        assert all(p.num_steps == 1 for p in h.plans), params
+    h = Harness(num_pages=64, page_size=4, decode_steps=4)
+    h.add("m", rand_prompt(rng, 5), SamplingParams(max_tokens=12, min_tokens=6, ignore_eos=True))
+    h.run()
+    # the prefill and 5 decodes one by one (below min_tokens), then bursts: 4 tokens, 2 of 4
+    assert [p.num_steps for p in h.plans] == [1] * 6 + [4, 4]
+    # Without the pages for a whole burst, single steps (a burst never preempts).
+    h = Harness(num_pages=4, page_size=4, max_num_seqs=2, watermark=0.0, decode_steps=4)
+    h.add("x", rand_prompt(rng, 7), SamplingParams(max_tokens=8, ignore_eos=True))
+    h.add("y", rand_prompt(rng, 7), SamplingParams(max_tokens=8, ignore_eos=True))
+    h.run()
+    assert all(p.num_steps == 1 for p in h.plans if len(p.seqs) == 2)
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_a_burst_drops_the_tokens_after_a_stop():
+    rng = random.Random(11)
+    for _ in range(50):  # prompts until one stops (EOS: 1 in 64 per token) inside a burst
+        prompt = rand_prompt(rng, 3)
+        want, reason = reference_generate(prompt, SamplingParams(max_tokens=40))
+        if reason == "stop" and len(want) % 4 != 1 and len(want) > 2:
+            break
+    else:
+        pytest.fail("no prompt stopped inside a burst")
+    h = Harness(num_pages=64, page_size=4, decode_steps=4)
+    r = h.add("s", prompt, SamplingParams(max_tokens=40))
+    h.run()
+    assert (r.output_token_ids, r.finish_reason) == (want, "stop")
+    assert sum(p.num_decode_tokens for p in h.plans) > len(want) - 1  # the burst ran on past the stop
+    h.check_drained()
+
+
 # -- random workloads -----------------------------------------------------------------------------
 request_st = st.fixed_dictionaries(
     {
@@ -503,19 +605,20 @@ request_st = st.fixed_dictionaries(
     requests=st.lists(request_st, min_size=1, max_size=20),
     seed=st.integers(0, 2**16),
     lookahead=st.booleans(),
+    decode_steps=st.sampled_from([1, 2, 4]),
 )
 def test_random_workload_invariants_and_exactness(
-    page_size, num_pages, max_num_seqs, budget, watermark, caching, chunked, requests, seed, lookahead
+    page_size, num_pages, max_num_seqs, budget, watermark, caching, chunked, requests, seed, lookahead, decode_steps
 ):
     """lookahead: step k+1 is planned (and run) before step k's tokens are resolved, as the engine
-    does when no request needs its previous token on the host."""
+    does when no request needs its previous token on the host. decode_steps > 1: bursts."""
     max_model_len = 48
     if not chunked:
         budget = max(budget, max_model_len)
     h = Harness(
         num_pages=num_pages, page_size=page_size, max_num_seqs=min(max_num_seqs, budget),
         max_num_batched_tokens=budget, max_model_len=max_model_len, watermark=watermark,
-        enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+        enable_prefix_caching=caching, enable_chunked_prefill=chunked, decode_steps=decode_steps,
     )
     rng = random.Random(seed)
     bases = [None] + [rand_prompt(rng, 32) for _ in range(2)]
@@ -546,7 +649,7 @@ def test_random_workload_invariants_and_exactness(
                 assert h.sched.abort(rid)
                 cut[rid] = "abort"
                 assert h.sched.get_request(rid) is None
-            elif spec["stop_string_at"] is not None and r.num_output_tokens == spec["stop_string_at"] and not r.is_finished:
+            elif spec["stop_string_at"] is not None and r.num_output_tokens >= spec["stop_string_at"] and not r.is_finished:
                 assert h.sched.finish(rid, "stop", "STOP")
                 cut[rid] = "stop"
         plan = h.sched.step()
@@ -574,6 +677,7 @@ def test_random_workload_invariants_and_exactness(
     event(f"prefix hits: {stats.prefix_cache_hit_tokens > 0}")
     event(f"forked: {any(r.parent_id for r in h.reqs.values())}")
     event(f"cut short: {bool(cut)}")
+    event(f"bursts: {any(p.num_steps > 1 for p in h.plans)}")
     for rid, r in h.reqs.items():
         assert r.is_finished
         want, reason = reference_generate(r.prompt_token_ids, r.sampling_params)

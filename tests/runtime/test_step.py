@@ -178,7 +178,7 @@ def test_step_matches_plain_forward(tiny_model, executor):
 
     def run(plan):
         nonlocal kv
-        tokens, lp, kv = ex(m.params, kv, packer.pack(plan, table.__getitem__))
+        tokens, _, lp, kv = ex(m.params, kv, packer.pack(plan, table.__getitem__))
         return np.asarray(tokens), np.asarray(lp.top_ids), np.asarray(lp.top_logprobs)
 
     def ref(prompt):
@@ -211,11 +211,11 @@ def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeyp
     table = {"g": SeqSampling.create(SamplingParams(temperature=0.0), 0, [1, 2, 3], [], W),
              "r": SeqSampling.create(SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=2),
                                      0, [1, 2, 3], [], W)}
-    tokens, lp, kv = ex(m.params, kv, packer.pack(plan_of(seq("g", [1, 2, 3], 0, [1])), table.__getitem__))
+    tokens, _, lp, kv = ex(m.params, kv, packer.pack(plan_of(seq("g", [1, 2, 3], 0, [1])), table.__getitem__))
     assert lp is None and calls == [("model", 16, 2)]  # a greedy step is one dispatch
     calls.clear()
     both = plan_of(seq("g", [1, 2, 3], 0, [1]), seq("r", [1, 2, 3], 0, [2]))
-    tokens, lp, kv = ex(m.params, kv, packer.pack(both, table.__getitem__))
+    tokens, _, lp, kv = ex(m.params, kv, packer.pack(both, table.__getitem__))
     assert calls == [("model", 16, 2), ("penalize", 2), ("pick_filtered", 2), ("logprobs", 2)]
     assert np.asarray(lp.top_ids).shape == (2, 5)
 
