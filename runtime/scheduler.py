@@ -396,6 +396,7 @@ class Scheduler:
         ctx = _StepBuilder(budget=self.config.max_num_batched_tokens)
         G = self.config.page_size
         K = self._burst_length()
+        capacity = self.config.max_pages_per_seq * G  # a burst's positions stop at the page table's end
 
         for req in list(self._running):  # 1. decodes
             if req.status is not RequestStatus.RUNNING or req.is_prefill:
@@ -404,7 +405,8 @@ class Scheduler:
                 break
             assert req.num_tokens - req.num_computed_tokens == 1, req
             # (the first test is _ensure_pages' own, without its call: 15 of 16 decode steps need no page)
-            if req.num_computed_tokens + K <= len(req.pages) * G or self._ensure_pages(req, req.num_computed_tokens + K, ctx):
+            end = min(req.num_computed_tokens + K, capacity)
+            if end <= len(req.pages) * G or self._ensure_pages(req, end, ctx):
                 ctx.add(req, 1)
 
         for req in list(self._running):  # 2. prefills partway through their prompt
@@ -550,10 +552,11 @@ class Scheduler:
     def _burst_length(self) -> int:
         """K when the next step can be a burst (SchedulerConfig.decode_steps), else 1: nothing waits
         (a burst would delay its admission by K steps), every running request decodes and needs no
-        host work between tokens (penalties, logprobs, min_tokens bans), the K positions fit its
-        page table, and the pages for them are free without preempting anyone. A request with fewer
-        than K tokens left under max_tokens runs the whole burst; its tokens past max_tokens are
-        dropped (computed in pages it holds until it finishes)."""
+        host work between tokens (penalties, logprobs, min_tokens bans), and the pages for K more
+        positions are free without preempting anyone. A request with fewer than K tokens left under
+        max_tokens runs the whole burst; its tokens past max_tokens are dropped. Their K/V goes to
+        pages it holds until it finishes, at positions that stop at the end of its page table (the
+        burst program clamps them there: runtime/step.py), past any position it ever computes."""
         K = self.config.decode_steps
         if K == 1 or self._waiting or not self._running:
             return 1
@@ -561,10 +564,9 @@ class Scheduler:
         capacity = self.config.max_pages_per_seq * G
         for req in self._running:
             p = req.sampling_params
-            if (req.is_prefill or p.needs_host_per_token or req.num_output_tokens < p.min_tokens
-                    or req.num_computed_tokens + K > capacity):
+            if req.is_prefill or p.needs_host_per_token or req.num_output_tokens < p.min_tokens:
                 return 1
-            need += _cdiv(req.num_computed_tokens + K, G) - len(req.pages)
+            need += _cdiv(min(req.num_computed_tokens + K, capacity), G) - len(req.pages)
         return K if need <= self.allocator.num_available else 1
 
     # -- internals ------------------------------------------------------------------------------

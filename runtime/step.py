@@ -138,7 +138,7 @@ def make_burst_fn(forward: Callable) -> Callable:
     i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode steps in one program
     (StepPlan.num_steps). The packed batch is its first model step, one token per sequence; model
     step j feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j
-    (its pages cover the whole burst), and samples with the rows' positions + j, so each token is
+    (its pages cover the whole burst; both stop at the end of the page table), and samples with the rows' positions + j, so each token is
     what a single step at that position would give: the same model program body and, per
     `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program (the
     packer never makes a burst of rows with penalties, logprobs or bans in force). `last` is the
@@ -155,11 +155,16 @@ def _build_burst_fn(forward: Callable) -> Callable:
         b = layout.unflatten(flat)
         slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
         live = b.attn.kv_lens > 0
+        # A sequence whose burst runs past max_tokens (tokens the host drops) stops at the end of its
+        # page table, rewriting its K/V there: past every position a live sequence computes
+        # (max_model_len <= the table), so nothing else is ever read from it.
+        last_pos = layout.P * kv_pages[0].shape[1] - 1
 
         def step(j, carry):
             kv_pages, tokens, out, _ = carry
-            attn = b.attn._replace(kv_lens=jnp.where(live, b.attn.kv_lens + j, 0))
-            logits, kv_pages = forward(params, tokens, b.positions + j, kv_pages, attn, b.logits_indices)
+            attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
+            positions = jnp.minimum(b.positions + j, last_pos)
+            logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
             logits = logits.astype(jnp.float32)
             if sampler == "greedy":
                 t = pad_slots(greedy(logits, sampling_rows(rows).banned), slots)

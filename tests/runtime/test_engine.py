@@ -250,9 +250,13 @@ def test_bursts_stop_where_single_steps_stop(engine, bursts, workload):
         first = ref.index(stop)
         out = run_one(bursts, prompt, SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])).outputs[0]
         assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
-    for n in (5, 6, 9):  # max_tokens: bursts while 4 tokens fit, then single steps
+    for n in (5, 6, 9):  # max_tokens inside a burst: the tokens past it are dropped
         out = run_one(bursts, prompt, SamplingParams(temperature=0.0, max_tokens=n)).outputs[0]
         assert out.token_ids == ref[:n] and out.finish_reason == "length"
+    # up to max_model_len (256): the last burst's positions stop at the end of the page table
+    long = (prompt * 16)[:245]
+    want = run_one(engine, long, SamplingParams(temperature=0.0, max_tokens=11)).outputs[0].token_ids
+    assert run_one(bursts, long, SamplingParams(temperature=0.0, max_tokens=11)).outputs[0].token_ids == want
     check_idle(bursts)
 
 

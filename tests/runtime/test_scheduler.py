@@ -108,21 +108,25 @@ class FakeDevice:
 
     def _run_burst(self, plan, real) -> list[list[int]]:
         G, K = self.G, plan.num_steps
+        capacity = self.sched.config.max_pages_per_seq * G  # positions stop at the table's end, as on the device
         for s in plan.seqs:
             assert not s.is_prefill and s.q_len == 1 and s.sample
             assert s.num_computed_after == s.start_pos + K
-            assert len(s.pages) == -(-s.num_computed_after // G) <= self.sched.config.max_pages_per_seq
+            assert len(s.pages) == -(-min(s.num_computed_after, capacity) // G)
         fed = [real(s.token_ids[0]) for s in plan.seqs]
         outs = []
         for j in range(K):
             for s, t in zip(plan.seqs, fed):
-                pos = s.start_pos + j
+                pos = min(s.start_pos + j, capacity - 1)
                 page = s.pages[pos // G]
                 assert self.refcounts[page] == 1, f"write into shared page {page}"
                 self.kv[page][pos % G] = (t, pos)
             out = []
             for row, s in enumerate(plan.seqs):
                 n = s.start_pos + j + 1
+                if n > capacity:  # past max_tokens (the scheduler drops its tokens): nothing to check
+                    out.append(-1)
+                    continue
                 read = [self.kv[s.pages[p // G]][p % G] for p in range(n)]
                 assert all(r is not None and r[1] == p for p, r in enumerate(read)), f"{s.request_id}: bad KV"
                 req = self.sched.get_request(s.request_id)
@@ -553,6 +557,18 @@ def test_bursts_run_only_plain_decodes_with_room_and_pages():
     h.add("y", rand_prompt(rng, 7), SamplingParams(max_tokens=8, ignore_eos=True))
     h.run()
     assert all(p.num_steps == 1 for p in h.plans if len(p.seqs) == 2)
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_a_burst_at_the_end_of_the_page_table():
+    """A request ending at max_model_len still bursts; positions past its table are never computed
+    for real (it finishes by length first)."""
+    h = Harness(num_pages=16, page_size=4, max_model_len=16, decode_steps=4)
+    r = h.add("e", rand_prompt(random.Random(2), 10), SamplingParams(max_tokens=6, ignore_eos=True))
+    h.run()
+    assert [p.num_steps for p in h.plans] == [1, 4, 4] and r.num_output_tokens == 6
+    assert len(h.plans[-1].seqs[0].pages) == 4  # positions 14-17 asked, the table's 16 given
     h.check_all_exact()
     h.check_drained()
 

@@ -17,9 +17,9 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingNeeds, history_placeholder
+from runtime.sampling import SamplingNeeds, empty_rows, history_placeholder
 from runtime.scheduler import ScheduledSeq, StepPlan
-from runtime.step import BatchPacker, SeqSampling, StepLayout, make_model_fn
+from runtime.step import BatchPacker, SeqSampling, StepLayout, make_burst_fn, make_model_fn
 from sharding.rules import kv_cache_sharding
 from tests.testing.greedy import greedy_generate
 from tests.tolerances import MODEL_LOGITS_F32
@@ -145,6 +145,41 @@ def test_packer_lays_out_plan_and_padding():
 def test_ignore_eos_keeps_eos_unbanned():
     s = SeqSampling.create(SamplingParams(ignore_eos=True, min_tokens=3, stop_token_ids=[5]), 0, [1], [2], W)
     assert s.stop_ids.tolist() == [5]
+
+
+def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
+    """A stand-in model whose greedy token encodes what it was given (position, kv_len, input
+    token): step j sees position + j and kv_len + j, both held at the page table's last position,
+    and the token step j - 1 sampled; padding slots keep kv_len 0."""
+    G, P, K = 4, 3, 5  # a 12-position table; the sequence starts at position 9
+
+    def forward(params, tokens, positions, kv_pages, attn, logits_indices):
+        code = positions * 10_000 + attn.kv_lens[: tokens.shape[0]] * 100 + tokens % 100
+        return jax.nn.one_hot(code[logits_indices], 200_000), kv_pages
+
+    layout = StepLayout(T=2, S=2, P=P)
+    b = layout.unflatten(np.zeros(layout.size, np.int32))
+    b.tokens[:] = [-1, 0]  # the input token is row 0 of the previous step's tokens
+    b.positions[:] = [9, 0]
+    b.attn.kv_lens[:] = [10, 0]
+    b.attn.cu_q_lens[:] = [0, 1, 1]
+    b.attn.num_seqs[0] = 1
+    b.logits_indices[:] = [0, 1]
+    flat = np.concatenate([b.tokens, b.positions, b.attn.kv_lens, b.attn.page_indices.ravel(), b.attn.cu_q_lens,
+                           b.attn.num_seqs, b.logits_indices])
+    leaves, treedef = jax.tree.flatten({})
+    kv = (np.zeros((P, G, 2, 8), np.float32),)
+    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(5, 6, 7, 8))(
+        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), layout, treedef, K, "greedy")
+    out = np.asarray(out)
+    fed = 42
+    for j in range(K):
+        pos = min(9 + j, P * G - 1)
+        want = pos * 10_000 + (pos + 1) * 100 + fed % 100
+        assert out[j, 0] == want, (j, out[j, 0], want)
+        assert out[j, 1] // 100 % 100 == 0  # padding keeps kv_len 0
+        fed = want
+    np.testing.assert_array_equal(np.asarray(last), out[-1])
 
 
 @pytest.fixture(scope="module")
