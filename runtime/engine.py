@@ -26,6 +26,11 @@ That holds only because the step programs never make the host wait for the devic
 it), no data-dependent loops. Which sampling work runs is chosen on the host, by the packer, as
 a choice of programs (runtime/sampling.py): a greedy step is one dispatch, the model program.
 
+Bursts (EngineConfig.decode_steps = K > 1): a plan of K decode steps (runtime/scheduler.py) is
+one dispatch of a burst program that returns i32[K, slots] tokens and its last step's i32[slots]
+as the next step's `prev`; the host resolves all K at once, so its work above is paid once per K
+tokens.
+
 A stop string is matched late (after steps k+1 and k+2 were dispatched): the request then wastes
 up to two tokens, which the scheduler discards (it skips requests that finished after the plan
 was made). Requests finished by EOS or stop ids finish at resolve time, by length at once. Cancelling

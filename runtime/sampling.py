@@ -248,7 +248,7 @@ def pad_slots(tokens: jax.Array, slots: int) -> jax.Array:
     return jnp.pad(tokens, (0, slots - tokens.shape[0]))
 
 
-_POSITIONS_COLUMN = sum(n for name, _, n in _COLUMNS[: [c[0] for c in _COLUMNS].index("positions")])
+_POSITIONS_COLUMN = sum(n for _, _, n in _COLUMNS[: [name for name, _, _ in _COLUMNS].index("positions")])
 
 
 def advance_positions(rows: jax.Array, steps) -> jax.Array:

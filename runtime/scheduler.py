@@ -30,11 +30,12 @@ at once. A request preempted while its last token is a placeholder waits for the
 is admitted again (its page hashes need the token). update_from_output(plan, tokens) is both at once.
 
 Bursts (SchedulerConfig.decode_steps = K > 1): when nothing waits and every running request is a
-plain decode with room for K more tokens (see _burst_length), the plan is a burst: each sequence
-samples K tokens in one device program, the model step run K times with each token fed to the next
-(runtime/step.py), so the host's per-step work (this plan, packing, the launch) is paid once per K
-tokens. Applying it appends K placeholders per sequence; resolve takes [K][num_seqs] tokens and
-drops a sequence's tokens after its stop (the burst computed them anyway: waste, never output).
+plain decode (see _burst_length), the plan is a burst: each sequence samples K tokens in one device
+program, the model step run K times with each token fed to the next (runtime/step.py), so the
+host's per-step work (this plan, packing, the launch) is paid once per K tokens. Applying it
+appends K placeholders per sequence (fewer where max_tokens comes first); resolve takes
+[K][num_seqs] tokens and drops a sequence's tokens after its stop (the burst computed them anyway:
+waste, never output).
 Pages filled during a burst are offered to the prefix cache at resolve, when their tokens are known.
 
 n > 1: the engine adds one request, and once step() has returned the plan that completes its
@@ -143,7 +144,8 @@ class StepPlan:
     finished_ids: tuple[str, ...]  # finished or aborted since the previous plan; their slots are free
     # K > 1: a burst. Every sequence is a decode that samples K tokens, each fed to the next of K
     # model steps run in one device program; seqs describe the first of them (token_ids, start_pos)
-    # and the whole burst (num_computed_after = start_pos + K, pages covering it).
+    # and the whole burst (num_computed_after = start_pos + K; pages cover it up to the end of the
+    # page table, where the burst program holds the positions of tokens past max_tokens).
     num_steps: int = 1
 
     @property
