@@ -492,9 +492,10 @@ class Scheduler:
             if not seq.sample:
                 continue
             # (a burst may run past max_tokens: the tokens beyond it are never taken)
-            k = min(K, req.max_tokens - req.num_output_tokens)
+            room = req.max_tokens - req.num_output_tokens
+            k = min(K, room)
             req.token_ids.extend([-(row + 1)] * k)
-            by_length = req.num_output_tokens >= req.max_tokens
+            by_length = k == room
             if by_length:
                 self._finish(req, FINISH_LENGTH, None)
             pending.append((row, req, len(req.token_ids) - k, by_length))
@@ -509,45 +510,30 @@ class Scheduler:
         if self._unresolved is None:
             raise RuntimeError("no step awaits its tokens")
         (K, pending), self._unresolved = self._unresolved, None
-        if K > 1:
-            return self._resolve_burst([[int(t) for t in step] for step in sampled_token_ids], pending)
+        # one pass per model step (indexing a numpy array per row cost more)
+        sampled = [[int(t) for t in step] for step in (sampled_token_ids if K > 1 else (sampled_token_ids,))]
         updates = []
-        sampled = [int(t) for t in sampled_token_ids]  # one pass (indexing a numpy array per row cost more)
+        G, register = self.config.page_size, K > 1 and self.prefix_cache is not None
         for row, req, index, by_length in pending:
             if req.status is RequestStatus.FINISHED and not by_length:
-                continue  # aborted or stopped (stop string) since: its token is dropped
-            token = sampled[row]
-            req.token_ids[index] = token
-            done = req.check_stop_token(token)  # with by_length, stop or length (EOS goes first)
-            if by_length:
-                req.finish_reason, req.stop_reason = done
-            elif done is not None:
-                self._finish(req, *done)
-            updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
-        return updates
-
-    def _resolve_burst(self, sampled: list[list[int]], pending) -> list[SeqUpdate]:
-        updates = []
-        G, caching = self.config.page_size, self.prefix_cache is not None
-        for row, req, index, by_length in pending:
-            if req.status is RequestStatus.FINISHED and not by_length:
-                continue
-            n0 = index - len(req.prompt_token_ids)  # output tokens before the burst
+                continue  # aborted or stopped (stop string) since: its tokens are dropped
+            n0 = index - len(req.prompt_token_ids)  # output tokens before this step
             for j in range(len(req.token_ids) - index):  # its placeholders: K, or fewer up to max_tokens
                 token = sampled[j][row]
                 req.token_ids[index + j] = token
-                done = req.check_stop_token(token, n0 + j + 1)
+                done = req.check_stop_token(token, n0 + j + 1)  # with by_length, stop or length (EOS first)
                 if done is None:
                     updates.append(SeqUpdate(req.request_id, token, None, None))
                     continue
-                del req.token_ids[index + j + 1 :]  # the burst ran on past the stop: dropped
+                del req.token_ids[index + j + 1 :]  # a burst ran on past the stop: dropped
                 if by_length:
                     req.finish_reason, req.stop_reason = done
                 else:
                     self._finish(req, *done)
                 updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
                 break
-            if caching and req.status is RequestStatus.RUNNING and req.num_computed_tokens // G > req.num_registered_pages:
+            # a burst's filled pages, now that their tokens are known (single steps: at update)
+            if register and req.status is RequestStatus.RUNNING and req.num_computed_tokens // G > req.num_registered_pages:
                 self._register_pages(req)
         return updates
 

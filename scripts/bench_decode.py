@@ -93,6 +93,23 @@ def timed_loop(call, state, *, min_rep_s: float, reps: int):
     return statistics.median(times), state, statistics.median(dispatch)
 
 
+def decode_stamps(engine, prompt: list[int], max_tokens: int) -> list[tuple[float, int, int]]:
+    """Run one greedy request through `engine.step()` to its end: per step, (the time it returned,
+    tokens out before it, tokens out after it)."""
+    from runtime.request import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    stamps, n = [], 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        t, before = time.perf_counter(), n
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+        stamps.append((t, before, n))
+    engine.check_invariants()
+    return stamps
+
+
 def profile_kernels(call, state, n: int, trace_dir: str) -> tuple[dict, object]:
     """Trace n back-to-back calls with jax.profiler (Perfetto JSON) and sum the device kernels' time:
     per-step busy time (union of kernel intervals), span (first kernel start to last kernel end),
@@ -153,7 +170,6 @@ def run_child(args) -> dict:
     from runtime.checkpoint import load_model
     from runtime.config import EngineConfig
     from runtime.engine import Engine
-    from runtime.request import SamplingParams
 
     dev = jax.devices()[0]
     res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
@@ -303,23 +319,14 @@ def run_child(args) -> dict:
         engine.kv_pages = kv
         if 1 in batches and not args.no_engine:
             row = next(r for r in res["rows"] if r["model"] == name and r["batch"] == 1)
-            prompt = rng.integers(0, mc.vocab_size, args.ctx).tolist()
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=eng_steps, ignore_eos=True))
-            stamps = []
-            n_out = 0
-            while engine.has_unfinished():
-                outs = engine.step()
-                stamps.append((time.perf_counter(), n_out))
-                for o in outs:
-                    n_out = len(o.outputs[0].token_ids)
+            stamps = decode_stamps(engine, rng.integers(0, mc.vocab_size, args.ctx).tolist(), eng_steps)
             # steady decode: intervals between steps once the first tokens are out (skip the prefill and
             # the first two decode steps), up to the last dispatch
-            ts = [t for t, n in stamps if n >= 2]
+            ts = [t for t, n, _ in stamps if n >= 2]
             gaps = [b - a for a, b in zip(ts, ts[1:])][:-1] or [float("nan")]
             t = statistics.median(gaps)
             row.update(engine_s=t, engine_tok_s=1 / t, engine_mbu=row["bytes_per_step"] / t / bw,
                        engine_steps_timed=len(gaps))
-            engine.check_invariants()
             print(f"{name}: engine.step() batch-1 decode {1 / t:.1f} tok/s, MBU {row['engine_mbu']:.1%} "
                   f"(median of {len(gaps)} step intervals)", flush=True)
         if 1 in batches and not args.no_engine and args.decode_steps > 1:
@@ -332,20 +339,12 @@ def run_child(args) -> dict:
                 max_num_batched_tokens=prefill_T, max_model_len=burst_len, num_pages=2 * (burst_len // G) + 2,
                 warmup=True)
             engine = Engine(loaded, bcfg)
-            prompt = rng.integers(0, mc.vocab_size, args.ctx).tolist()
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4 * eng_steps, ignore_eos=True))
-            stamps, n_out = [], 0
-            while engine.has_unfinished():
-                outs = engine.step()
-                for o in outs:
-                    n_out = len(o.outputs[0].token_ids)
-                stamps.append((time.perf_counter(), n_out))
+            stamps = decode_stamps(engine, rng.integers(0, mc.vocab_size, args.ctx).tolist(), 4 * eng_steps)
             # steady decode: from the first output past the prefill and one burst to the last
-            (t0, n0), (t1, n1) = next((t, n) for t, n in stamps if n > K + 1), stamps[-1]
+            (t0, n0), (t1, n1) = next((t, n) for t, _, n in stamps if n > K + 1), stamps[-1][::2]
             t = (t1 - t0) / (n1 - n0)
             row.update(engine_burst_s=t, engine_burst_tok_s=1 / t, engine_burst_mbu=row["bytes_per_step"] / t / bw,
                        engine_burst_tokens_timed=n1 - n0, decode_steps=K)
-            engine.check_invariants()
             print(f"{name}: engine.step() batch-1 decode with bursts of {K}: {1 / t:.1f} tok/s, MBU "
                   f"{row['engine_burst_mbu']:.1%} ({n1 - n0} tokens in {t1 - t0:.3f} s)", flush=True)
             kv = None
