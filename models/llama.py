@@ -2,7 +2,8 @@
 
 Differences between the families are flags on ModelConfig: GQA/MQA/MHA via num_kv_heads, head_dim
 independent of D/N, RoPE scaling (llama3, linear), QKV bias (Qwen2), per-head QK RMSNorm (Qwen3),
-sliding-window attention (Mistral), tied embeddings. RoPE is the half-split ("rotate_half") form HF
+sliding-window attention (Mistral), tied embeddings. q/k/v and gate/up are each one merged weight
+(one GEMM each; docs/design.md "Merged projections"). RoPE is the half-split ("rotate_half") form HF
 checkpoints use; loaders of interleaved-RoPE formats (GGUF, llama2.c) permute q/k weights to it.
 
 Parameters carry logical axis names only (metadata `logical_axes`); sharding/rules.py maps them to
@@ -18,6 +19,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import AttentionMetadata
@@ -50,18 +52,17 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
                  rngs: nnx.Rngs):
-        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.cfg, self.kv_repeat, self.attn_impl, self.dtype = cfg, kv_repeat, attn_impl, dtype
+        D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.cfg, self.attn_impl, self.dtype = cfg, attn_impl, dtype
         self.head_mesh = head_mesh  # sharding.rules.head_parallel_mesh: write + attention per tensor shard
-        self.q_proj = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), param_dtype)
-        self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        # q, k and v as one [D, K', R'+2, H] matrix: per stored KV head, its R' query heads, then k,
+        # then v (qkv_layout). One GEMM, no per-step concatenation of three weights.
+        Kr, Rr = qkv_groups(cfg, kv_repeat)
+        self.qkv_proj = _param(rngs, (D, Kr, Rr + 2, H), ("embed", "kv_heads", None, "head_dim"), param_dtype)
         self.o_proj = _param(rngs, (N, H, D), ("q_heads", "head_dim", "embed"), param_dtype)
         if cfg.attention_bias:
-            zeros = nnx.initializers.zeros
-            self.q_bias = _param(rngs, (N, H), ("q_heads", "head_dim"), param_dtype, zeros)
-            self.k_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, zeros)
-            self.v_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, zeros)
+            self.qkv_bias = _param(rngs, (Kr, Rr + 2, H), ("kv_heads", None, "head_dim"), param_dtype,
+                                   nnx.initializers.zeros)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
@@ -70,19 +71,14 @@ class Attention(nnx.Module):
         # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]
         cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
         T, D = x.shape
-        q = jnp.matmul(x, self.q_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_heads, -1)
-        k = jnp.matmul(x, self.k_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_kv_heads, -1)
-        v = jnp.matmul(x, self.v_proj[...].astype(dt).reshape(D, -1), precision=prec).reshape(T, cfg.num_kv_heads, -1)
+        qkv = jnp.einsum("td,dgrh->tgrh", x, self.qkv_proj[...].astype(dt), precision=prec)
         if cfg.attention_bias:
-            q = q + self.q_bias[...].astype(dt)
-            k = k + self.k_bias[...].astype(dt)
-            v = v + self.v_bias[...].astype(dt)
+            qkv = qkv + self.qkv_bias[...].astype(dt)
+        R = qkv.shape[2] - 2
+        q, k, v = qkv[:, :, :R].reshape(T, cfg.num_heads, -1), qkv[:, :, R], qkv[:, :, R + 1]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_repeat > 1:  # KV heads fewer than the tensor axis: store each head kv_repeat times
-            k = jnp.repeat(k, self.kv_repeat, axis=1)
-            v = jnp.repeat(v, self.kv_repeat, axis=1)
         o, kv_pages = self._write_and_attend(kv_pages, q, k, v, *meta)
         return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
 
@@ -104,15 +100,14 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
         self.dtype = dtype
-        self.gate_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
-        self.up_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        # gate and up as one [D, 2, F] matrix: one GEMM (sharded over F, each shard's two halves local)
+        self.gate_up_proj = _param(rngs, (D, 2, F), ("embed", None, "mlp"), param_dtype)
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x):  # [T, D]
         dt, prec = self.dtype, _precision(self.dtype)
-        g = jnp.matmul(x, self.gate_proj[...].astype(dt), precision=prec)
-        u = jnp.matmul(x, self.up_proj[...].astype(dt), precision=prec)
-        return jnp.matmul(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), precision=prec)
+        gu = jnp.einsum("td,dgf->tgf", x, self.gate_up_proj[...].astype(dt), precision=prec)
+        return jnp.matmul(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down_proj[...].astype(dt), precision=prec)
 
 
 class DecoderLayer(nnx.Module):
@@ -195,6 +190,59 @@ def apply_rope(x, cos, sin):
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def qkv_groups(cfg: ModelConfig, kv_repeat: int = 1) -> tuple[int, int]:
+    """(K', R'): the merged qkv projection's groups (one per stored KV head, K' = K * kv_repeat) and
+    the query heads in each (R' = N / K'). Query head i = g * R' + r reads KV head g // kv_repeat,
+    the standard GQA mapping."""
+    Kr = cfg.num_kv_heads * kv_repeat
+    if cfg.num_heads % Kr:
+        raise ValueError(f"{cfg.num_heads} query heads do not split into {Kr} groups (kv_repeat {kv_repeat})")
+    return Kr, cfg.num_heads // Kr
+
+
+def _xp(a):
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def qkv_layout(q, k, v):
+    """The canonical merged qkv weight (or bias) from HF-shaped parts: q [..., N, H], k and v
+    [..., K, H] -> [..., K, N/K + 2, H]: per KV head its query heads, then k, then v."""
+    xp = _xp(q)
+    *lead, N, H = q.shape
+    K = k.shape[-2]
+    return xp.concatenate([q.reshape(*lead, K, N // K, H), k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def repeat_qkv(w, kv_repeat: int):
+    """Canonical [..., K, R+2, H] -> [..., K*kv_repeat, R/kv_repeat + 2, H]: each KV head's query heads
+    split over kv_repeat groups, each with its own copy of k and v (so every tensor shard holds whole
+    groups when the tensor axis is larger than K; sharding.rules.attention_layout)."""
+    if kv_repeat == 1:
+        return w
+    xp = _xp(w)
+    *lead, K, R2, H = w.shape
+    R = R2 - 2
+    q = w[..., :R, :].reshape(*lead, K, kv_repeat, R // kv_repeat, H)
+    kv = xp.broadcast_to(w[..., None, R:, :], (*lead, K, kv_repeat, 2, H))
+    return xp.concatenate([q, kv], axis=-2).reshape(*lead, K * kv_repeat, R // kv_repeat + 2, H)
+
+
+def unrepeat_qkv(w, kv_repeat: int):
+    """The inverse of repeat_qkv (the first copy of each k and v)."""
+    if kv_repeat == 1:
+        return w
+    xp = _xp(w)
+    *lead, Kr, Rr2, H = w.shape
+    g = w.reshape(*lead, Kr // kv_repeat, kv_repeat, Rr2, H)
+    q = g[..., :Rr2 - 2, :].reshape(*lead, Kr // kv_repeat, kv_repeat * (Rr2 - 2), H)
+    return xp.concatenate([q, g[..., 0, Rr2 - 2:, :]], axis=-2)
+
+
+def is_qkv_param(path) -> bool:
+    """The params whose layout depends on kv_repeat (repeat_qkv)."""
+    return str(path[-1]) in ("qkv_proj", "qkv_bias")
 
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable:

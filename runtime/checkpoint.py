@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import shutil
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 
 import jax
@@ -22,7 +22,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
-from models.llama import abstract_model, make_forward
+from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
 from pallas_kernels.dispatch import select_attention_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig
@@ -138,19 +138,29 @@ def init_dummy(cfg: ModelConfig, *, mesh: jax.sharding.Mesh, dtype=jnp.bfloat16,
     for i, (path, var) in enumerate(nnx.to_flat_state(abs_state)):
         name = str(path[-1])
         kind = "ones" if name == "scale" else "zeros" if name.endswith("bias") else "normal"
-        make = _random_array(kind, var.value.shape, dtype, flat_shardings[path].value)
+        rep = kv_repeat(cfg, mesh) if is_qkv_param(path) else 1  # drawn whole, then repeated
+        make = _random_array(kind, var.value.shape, dtype, flat_shardings[path].value, rep)
         leaves[tuple(path)] = var.replace(make(jax.random.fold_in(key, i)))
     return LoadedModel(cfg, graphdef, nnx.from_flat_state(leaves), mesh, dtype, f"dummy:{cfg.name}")
 
 
 @functools.cache
-def _random_array(kind: str, shape: tuple[int, ...], dtype, sharding):
+def _random_array(kind: str, shape: tuple[int, ...], dtype, sharding, repeat: int = 1):
+    """A jitted key -> array in `sharding`. repeat > 1: a merged qkv param, drawn in its canonical
+    layout and repeated (models.llama.repeat_qkv), so the copies of a KV head are equal."""
+    canon = shape
+    if repeat > 1:
+        *lead, Kr, Rr2, H = shape
+        canon = (*lead, Kr // repeat, (Rr2 - 2) * repeat + 2, H)
+
     def make(key):
         if kind == "ones":
-            return jnp.ones(shape, dtype)
-        if kind == "zeros":
-            return jnp.zeros(shape, dtype)
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+            x = jnp.ones(canon, dtype)
+        elif kind == "zeros":
+            x = jnp.zeros(canon, dtype)
+        else:
+            x = (0.02 * jax.random.normal(key, canon, jnp.float32)).astype(dtype)
+        return repeat_qkv(x, repeat)
 
     return jax.jit(make, out_shardings=sharding)
 
@@ -159,7 +169,7 @@ def load_from_source(source: TensorSource, *, mesh: jax.sharding.Mesh, dtype, pr
     cfg = source.config
     dtype = jnp.dtype(dtype)
     graphdef, abs_state, shardings = _model_parts(cfg, mesh, dtype)
-    plan = hf_tensor_plan(cfg)
+    plan = hf_tensor_plan(cfg, kv_repeat(cfg, mesh))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     leaves = {}
     bar = tqdm(total=len(plan), desc=f"loading {source.path.name}", unit="tensor", disable=not progress)
@@ -167,16 +177,17 @@ def load_from_source(source: TensorSource, *, mesh: jax.sharding.Mesh, dtype, pr
         tp = plan.get(tuple(path))
         if tp is None:
             raise CheckpointError(f"internal: model parameter {'/'.join(map(str, path))} has no checkpoint mapping")
-        arr = source.get(tp.hf_name)
-        if tuple(arr.shape) != tp.hf_shape:
-            raise CheckpointError(
-                f"{source.path}: tensor {tp.hf_name!r} has shape {tuple(arr.shape)}; model config "
-                f"{cfg.name!r} expects {tp.hf_shape}"
-            )
-        host = np.asarray(tp.to_param(arr)).astype(dtype)
+        arrs = [source.get(name) for name in tp.hf_names]
+        for name, arr, shape in zip(tp.hf_names, arrs, tp.hf_shapes):
+            if tuple(arr.shape) != shape:
+                raise CheckpointError(
+                    f"{source.path}: tensor {name!r} has shape {tuple(arr.shape)}; model config "
+                    f"{cfg.name!r} expects {shape}"
+                )
+        host = np.asarray(tp.to_param(*arrs)).astype(dtype)
         sharding = flat_shardings[path].value
         leaves[tuple(path)] = var.replace(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
-        del host, arr
+        del host, arrs
         bar.update(1)
     bar.close()
     params = nnx.from_flat_state(leaves)
@@ -197,6 +208,14 @@ def _config_from_json(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
+def _map_qkv(params: nnx.State, fn, kv_repeat: int) -> nnx.State:
+    """params with fn(x, kv_repeat) applied to the merged qkv params (repeat_qkv / unrepeat_qkv)."""
+    if kv_repeat == 1:
+        return params
+    return nnx.from_flat_state({tuple(path): var.replace(fn(var.value, kv_repeat)) if is_qkv_param(path) else var
+                                for path, var in nnx.to_flat_state(params)})
+
+
 def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
     """Write params (Orbax), config and tokenizer to `dst`; restorable onto any mesh."""
     import orbax.checkpoint as ocp
@@ -206,7 +225,7 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
         raise FileExistsError(f"{dst} exists and is not empty; refusing to overwrite")
     dst.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(dst / ORBAX_STATE, loaded.params)
+        ckptr.save(dst / ORBAX_STATE, _map_qkv(loaded.params, unrepeat_qkv, loaded.kv_repeat))
     meta = {"config": _config_to_json(loaded.config), "dtype": jnp.dtype(loaded.dtype).name, "source": loaded.source}
     tok = loaded.tokenizer_path
     if tok is not None:
@@ -234,15 +253,18 @@ def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") ->
         raise CheckpointError(f"{path / ORBAX_CONFIG}: not an xlaserve checkpoint config ({e})") from None
     saved = jnp.dtype(meta.get("dtype", "float32"))
     dtype = saved if dtype in (None, "auto") else resolve_dtype(dtype, saved)
-    graphdef, abs_state, shardings = _model_parts(cfg, mesh, saved)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings
-    )
+    # On disk the merged qkv params have their canonical layout (kv_repeat 1; save_orbax). Restore
+    # that into this mesh's shardings, then repeat them for this mesh and cast, on device.
+    _, canon = nnx.split(abstract_model(cfg, dtype=saved))
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          canon, state_shardings(canon, mesh, cfg))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / ORBAX_STATE, target)
-    if dtype != saved:
-        graphdef, _, shardings = _model_parts(cfg, mesh, dtype)
-        params = jax.jit(partial(jax.tree.map, lambda x: x.astype(dtype)), out_shardings=shardings)(params)
+    graphdef, _, shardings = _model_parts(cfg, mesh, dtype)
+    rep = kv_repeat(cfg, mesh)
+    if rep > 1 or dtype != saved:
+        params = jax.jit(lambda p: _map_qkv(jax.tree.map(lambda x: x.astype(dtype), p), repeat_qkv, rep),
+                         out_shardings=shardings)(params)
     tok = meta.get("tokenizer")
     tok_path = None if tok is None else (path / tok if not Path(tok).is_absolute() else Path(tok))
     return LoadedModel(cfg, graphdef, params, mesh, dtype, str(path), tok_path)

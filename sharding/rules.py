@@ -100,7 +100,7 @@ def logical_to_spec(
         axis = LOGICAL_AXIS_RULES.get(name) if name else None
         if name == "q_heads" and not q_ok:
             axis = None
-        if name == "kv_heads" and (not kv_ok or rep > 1):  # repeated heads: weights stay whole
+        if name == "kv_heads" and not kv_ok:  # (with kv_repeat > 1 the axis holds the repeated heads)
             axis = None
         if axis is not None and (axis in used or dim % mesh_axis_size(mesh, axis)):
             axis = None

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol
 import numpy as np
 
 from models.config import ModelConfig
+from models.llama import qkv_layout, repeat_qkv
 
 
 class CheckpointError(ValueError):
@@ -32,50 +33,53 @@ class TensorSource(Protocol):
 
 
 class TensorPlan(NamedTuple):
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    to_param: Callable[[np.ndarray], np.ndarray]  # HF layout -> our param layout
+    hf_names: tuple[str, ...]  # the HF tensors one param is built from (q, k, v for the merged qkv)
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_param: Callable[..., np.ndarray]  # HF layout arrays, in hf_names order -> our param layout
 
 
-def hf_tensor_plan(cfg: ModelConfig) -> dict[tuple, TensorPlan]:
-    """Model param path (as in nnx.to_flat_state) -> the HF tensor it is loaded from."""
+def hf_tensor_plan(cfg: ModelConfig, kv_repeat: int = 1) -> dict[tuple, TensorPlan]:
+    """Model param path (as in nnx.to_flat_state) -> the HF tensors it is loaded from. kv_repeat:
+    the model's (sharding.rules.kv_repeat), which the merged qkv params' layout depends on."""
     D, F, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.vocab_size)
 
-    def heads_in(n):  # [n*H, D] -> [D, n, H]
-        return lambda w: w.reshape(n, H, D).transpose(2, 0, 1)
+    def one(name, shape, fn=lambda x: x):
+        return TensorPlan((name,), (shape,), fn)
 
-    def bias(n):
-        return lambda b: b.reshape(n, H)
+    def heads_in(w):  # [n*H, D] -> [D, n, H]
+        return w.reshape(-1, H, D).transpose(2, 0, 1)
 
-    ident = lambda x: x  # noqa: E731
+    def qkv(q, k, v):  # HF [N*H, D], [K*H, D], [K*H, D] (or the biases) -> [D, K', R'+2, H] ([K', R'+2, H])
+        parts = [heads_in(w) if w.ndim == 2 else w.reshape(-1, H) for w in (q, k, v)]
+        return repeat_qkv(qkv_layout(*parts), kv_repeat)
+
     T = lambda w: w.T  # noqa: E731
 
-    plan = {("embed",): TensorPlan("model.embed_tokens.weight", (V, D), ident),
-            ("final_norm", "scale"): TensorPlan("model.norm.weight", (D,), ident)}
+    plan = {("embed",): one("model.embed_tokens.weight", (V, D)),
+            ("final_norm", "scale"): one("model.norm.weight", (D,))}
     if not cfg.tie_word_embeddings:
-        plan[("lm_head",)] = TensorPlan("lm_head.weight", (V, D), T)
+        plan[("lm_head",)] = one("lm_head.weight", (V, D), T)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = ("layers", i, "attn")
-        plan[("layers", i, "input_norm", "scale")] = TensorPlan(p + "input_layernorm.weight", (D,), ident)
-        plan[("layers", i, "post_attn_norm", "scale")] = TensorPlan(p + "post_attention_layernorm.weight", (D,), ident)
-        plan[a + ("q_proj",)] = TensorPlan(p + "self_attn.q_proj.weight", (N * H, D), heads_in(N))
-        plan[a + ("k_proj",)] = TensorPlan(p + "self_attn.k_proj.weight", (K * H, D), heads_in(K))
-        plan[a + ("v_proj",)] = TensorPlan(p + "self_attn.v_proj.weight", (K * H, D), heads_in(K))
-        plan[a + ("o_proj",)] = TensorPlan(p + "self_attn.o_proj.weight", (D, N * H),
-                                           lambda w: w.reshape(D, N, H).transpose(1, 2, 0))
+        plan[("layers", i, "input_norm", "scale")] = one(p + "input_layernorm.weight", (D,))
+        plan[("layers", i, "post_attn_norm", "scale")] = one(p + "post_attention_layernorm.weight", (D,))
+        plan[a + ("qkv_proj",)] = TensorPlan(
+            tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), ((N * H, D), (K * H, D), (K * H, D)), qkv)
+        plan[a + ("o_proj",)] = one(p + "self_attn.o_proj.weight", (D, N * H),
+                                    lambda w: w.reshape(D, N, H).transpose(1, 2, 0))
         if cfg.attention_bias:
-            plan[a + ("q_bias",)] = TensorPlan(p + "self_attn.q_proj.bias", (N * H,), bias(N))
-            plan[a + ("k_bias",)] = TensorPlan(p + "self_attn.k_proj.bias", (K * H,), bias(K))
-            plan[a + ("v_bias",)] = TensorPlan(p + "self_attn.v_proj.bias", (K * H,), bias(K))
+            plan[a + ("qkv_bias",)] = TensorPlan(
+                tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv"), ((N * H,), (K * H,), (K * H,)), qkv)
         if cfg.qk_norm:
-            plan[a + ("q_norm", "scale")] = TensorPlan(p + "self_attn.q_norm.weight", (H,), ident)
-            plan[a + ("k_norm", "scale")] = TensorPlan(p + "self_attn.k_norm.weight", (H,), ident)
+            plan[a + ("q_norm", "scale")] = one(p + "self_attn.q_norm.weight", (H,))
+            plan[a + ("k_norm", "scale")] = one(p + "self_attn.k_norm.weight", (H,))
         m = ("layers", i, "mlp")
-        plan[m + ("gate_proj",)] = TensorPlan(p + "mlp.gate_proj.weight", (F, D), T)
-        plan[m + ("up_proj",)] = TensorPlan(p + "mlp.up_proj.weight", (F, D), T)
-        plan[m + ("down_proj",)] = TensorPlan(p + "mlp.down_proj.weight", (D, F), T)
+        plan[m + ("gate_up_proj",)] = TensorPlan(
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), ((F, D), (F, D)),
+            lambda g, u: np.stack([g.T, u.T], axis=1))
+        plan[m + ("down_proj",)] = one(p + "mlp.down_proj.weight", (D, F), T)
     return plan
 
 

@@ -25,7 +25,7 @@ def hf_dir(tmp_path_factory):
 def test_dummy_weights_for_a_preset_are_sharded_and_run():
     model = load_model("dummy:stories260k", mesh=MeshConfig(tensor=2).make_mesh(), dtype="float32")
     assert model.config == PRESETS["stories260k"]
-    assert model.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec[1] == "tensor"
+    assert model.params["layers"][0]["mlp"]["gate_up_proj"][...].sharding.spec[2] == "tensor"
     out = greedy_generate(model, [1, 5, 9], 4)
     assert len(out.tokens) == 4 and np.isfinite(out.prompt_logits).all()
 

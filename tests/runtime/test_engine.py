@@ -561,7 +561,7 @@ def test_mesh_equals_single_device(workload, alone, replica, tensor):
     mesh = MeshConfig(replica=replica, tensor=tensor).make_mesh()
     m = load_model(shared_data_dir() / "stories260k" / "stories260K.bin", mesh=mesh, dtype="float32", progress=False)
     if tensor > 1:
-        assert m.params["layers"][0]["mlp"]["gate_proj"][...].sharding.spec[1] == "tensor"
+        assert m.params["layers"][0]["mlp"]["gate_up_proj"][...].sharding.spec[2] == "tensor"
     e = Engine(m, EngineConfig(**{**BASE, "token_buckets": (64,), "seq_buckets": (8,), "mesh": MeshConfig(replica, tensor)}))
     try:
         if tensor > 1:

@@ -32,12 +32,17 @@ def test_mesh_matches_single_device(checkpoint, replica, tensor):
     mesh = MeshConfig(replica=replica, tensor=tensor).make_mesh()
     model = load_model(path, mesh=mesh, dtype="float32", progress=False)
     q_sharded, kv_sharded, rep = attention_layout(model.config, mesh)
-    mlp = model.params["layers"][0]["mlp"]["gate_proj"][...]
+    mlp = model.params["layers"][0]["mlp"]["gate_up_proj"][...]
+    qkv = model.params["layers"][0]["attn"]["qkv_proj"][...]
     if tensor > 1:  # weights really are split, not replicated
-        assert mlp.sharding.spec[1] == "tensor"
-        assert mlp.addressable_shards[0].data.shape[1] == model.config.intermediate_size // tensor
+        assert mlp.sharding.spec[2] == "tensor"
+        assert mlp.addressable_shards[0].data.shape[2] == model.config.intermediate_size // tensor
     if model.config.num_kv_heads < tensor and q_sharded:
         assert rep == tensor // model.config.num_kv_heads and kv_sharded
+    if kv_sharded:  # one group of query heads + its (repeated) KV head per shard, never the whole qkv
+        assert qkv.sharding.spec[1] == "tensor"
+        assert qkv.shape[1] == model.config.num_kv_heads * rep
+        assert qkv.addressable_shards[0].data.shape[1] == qkv.shape[1] // tensor
     # KV write + attention run per tensor shard (shard_over_heads) exactly when both head kinds split
     attn = nnx.merge(model.graphdef, model.params).layers[0].attn
     assert (attn.head_mesh is not None) is (tensor > 1 and q_sharded and kv_sharded)
@@ -54,7 +59,7 @@ def test_orbax_restores_onto_another_mesh(checkpoint, tmp_path):
         mesh = MeshConfig(replica=replica, tensor=tensor).make_mesh()
         restored = restore_orbax(tmp_path / "ckpt", mesh=mesh)
         assert restored.config == src.config
-        leaf = restored.params["layers"][0]["mlp"]["up_proj"][...]
+        leaf = restored.params["layers"][0]["mlp"]["gate_up_proj"][...]
         assert leaf.sharding.mesh.shape == mesh.shape
         atol, rtol = MESH_LOGITS_F32
         np.testing.assert_allclose(greedy_generate(restored, prompt, 1).prompt_logits, ref, atol=atol, rtol=rtol)
