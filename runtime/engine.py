@@ -265,9 +265,9 @@ class Engine:
         from any thread."""
         cfg = self.config
         V = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if t >= V]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range; the vocabulary has {V} ids")
+        if prompt_ids and max(prompt_ids) >= V:
+            bad = next(t for t in prompt_ids if t >= V)
+            raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {V} ids")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {cfg.max_logprobs}")
         if params.stop and self.tokenizer is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -184,6 +185,31 @@ def rand_prompt(rng, n):
 
 
 # -- admission ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids,ok", [
+    ([3, 0, 7], True),
+    ((3, 0, 7), True),  # any sequence
+    ([np.int32(3), np.int64(0), 7], True),  # numpy ints, as tokenizers return them
+    ([3, -1, 7], False),
+    ([-1], False),
+    ([3, True, 7], False),  # bools are not token ids, mixed in or not
+    ([True], False),
+    ([3, 1.0], False),
+    (["3"], False),
+    ([], False),
+])
+def test_prompt_ids_are_validated(ids, ok):
+    s = Scheduler(SchedulerConfig(num_pages=10, page_size=16, max_model_len=64))
+    if not ok:
+        with pytest.raises(ValueError, match="prompt token ids must be ints >= 0|0 tokens"):
+            s.add_request("a", ids, SamplingParams(max_tokens=4))
+        return
+    req = s.add_request("a", ids, SamplingParams(max_tokens=4))
+    assert req.prompt_token_ids == [3, 0, 7] and all(type(t) is int for t in req.prompt_token_ids)
+    if isinstance(ids, list):
+        ids.append(9)  # the request holds its own copy
+        assert req.prompt_token_ids == [3, 0, 7]
+
+
 def test_reject_at_once_names_both_numbers():
     s = Scheduler(SchedulerConfig(num_pages=10, page_size=16, max_model_len=512))
     with pytest.raises(ValueError, match=r"\b530\b.*\b512\b"):
