@@ -10,7 +10,6 @@ a request generated alone (reference_generate) catches it.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import numpy as np
 import pytest

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from runtime.checkpoint import load_model, restore_orbax, save_orbax
+from models.llama import repeat_qkv, unrepeat_qkv
 from tests.testing.greedy import greedy_generate
 from sharding.mesh import MeshConfig
 from sharding.rules import attention_layout
@@ -66,3 +67,24 @@ def test_orbax_restores_onto_another_mesh(checkpoint, tmp_path):
     # the bf16 restore path casts on device
     half = restore_orbax(tmp_path / "ckpt", mesh=MeshConfig().make_mesh(), dtype="bfloat16")
     assert half.params["embed"][...].dtype == np.dtype("bfloat16")
+
+
+def test_dummy_weights_equal_on_every_mesh():
+    """stories260K has 4 KV heads: on tensor=8 each is stored twice (kv_repeat 2), in the pool and in
+    the merged qkv weight. The dummy draw is canonical and repeated, so the copies are equal and the
+    model is the one-device model, sharded."""
+    one = load_model("dummy:stories260k", dtype="float32")
+    eight = load_model("dummy:stories260k", mesh=MeshConfig(tensor=8).make_mesh(), dtype="float32")
+    assert eight.kv_repeat == 2 and one.kv_repeat == 1
+    w1 = np.asarray(one.params["layers"][0]["attn"]["qkv_proj"][...])
+    w8 = np.asarray(eight.params["layers"][0]["attn"]["qkv_proj"][...])
+    K, R = w1.shape[1], w1.shape[2] - 2
+    assert w8.shape == (w1.shape[0], 2 * K, R // 2 + 2, w1.shape[3])
+    np.testing.assert_array_equal(w8[:, 0::2, R // 2:], w8[:, 1::2, R // 2:])  # the two copies of k and v
+    np.testing.assert_array_equal(unrepeat_qkv(w8, 2), w1)
+    np.testing.assert_array_equal(repeat_qkv(w1, 2), w8)
+    np.testing.assert_array_equal(np.asarray(repeat_qkv(jax.numpy.asarray(w1), 2)), w8)  # jnp as numpy
+    prompt = [1, 5, 9, 200, 17]
+    atol, rtol = MESH_LOGITS_F32
+    np.testing.assert_allclose(greedy_generate(eight, prompt, 1).prompt_logits,
+                               greedy_generate(one, prompt, 1).prompt_logits, atol=atol, rtol=rtol)
