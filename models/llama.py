@@ -138,7 +138,7 @@ class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
                  kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None):
         param_dtype = param_dtype or dtype
-        self.cfg, self.dtype, self.kv_repeat = cfg, dtype, kv_repeat
+        self.cfg, self.dtype = cfg, dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,

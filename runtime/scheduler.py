@@ -110,6 +110,11 @@ class SchedulerConfig:
         """P_max: width of the page table the step packer needs."""
         return _cdiv(self.max_model_len, self.page_size)
 
+    @cached_property
+    def max_positions(self) -> int:
+        """Positions a sequence's page table holds (>= max_model_len); a burst's positions stop at its end."""
+        return self.max_pages_per_seq * self.page_size
+
 
 class ScheduledSeq(NamedTuple):
     """One sequence of a step, in the order the step packer lays them out (decodes first). A
@@ -398,7 +403,7 @@ class Scheduler:
         ctx = _StepBuilder(budget=self.config.max_num_batched_tokens)
         G = self.config.page_size
         K = self._burst_length()
-        capacity = self.config.max_pages_per_seq * G  # a burst's positions stop at the page table's end
+        capacity = self.config.max_positions  # a burst's positions stop at the page table's end
 
         for req in list(self._running):  # 1. decodes
             if req.status is not RequestStatus.RUNNING or req.is_prefill:
@@ -548,8 +553,7 @@ class Scheduler:
         K = self.config.decode_steps
         if K == 1 or self._waiting or not self._running:
             return 1
-        G, need = self.config.page_size, 0
-        capacity = self.config.max_pages_per_seq * G
+        G, need, capacity = self.config.page_size, 0, self.config.max_positions
         for req in self._running:
             p = req.sampling_params
             if req.is_prefill or p.needs_host_per_token or req.num_output_tokens < p.min_tokens:

@@ -261,7 +261,9 @@ class BatchPacker:
             m.cu_q_lens[1 : n + 1] = cu
             m.cu_q_lens[n + 1 :] = cu[-1]
             b.logits_indices[:n] = cu - 1
-            m.kv_lens[:n] = [seq.num_computed_after - (K - 1) for seq in seqs]
+            # a burst's first model step: kv_len and the sampled token's index K - 1 before its end
+            after = [seq.num_computed_after - (K - 1) for seq in seqs]
+            m.kv_lens[:n] = after
         # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
         d = plan.num_decode_tokens // K
         if d:
@@ -282,10 +284,10 @@ class BatchPacker:
         if not rows:
             return out
         put_request_rows(out.rows, rows, [samp[i].row for i in rows])
-        sb.positions[rows] = [seqs[i].num_computed_after - (K - 1) for i in rows]  # the index the sampled token will have
+        sb.positions[rows] = [after[i] for i in rows]  # the index the sampled token will have
         for i in rows:
             s = samp[i]
-            if seqs[i].num_computed_after - (K - 1) < s.ban_before:  # below min_tokens (never in a burst)
+            if after[i] < s.ban_before:  # below min_tokens (never in a burst)
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h

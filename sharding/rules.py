@@ -92,7 +92,7 @@ def logical_to_spec(
         return PartitionSpec()
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical axes {logical_axes} do not match shape {shape}")
-    q_ok, kv_ok, rep = attention_layout(cfg, mesh) if cfg is not None else (True, True, 1)
+    q_ok, kv_ok, _ = attention_layout(cfg, mesh) if cfg is not None else (True, True, 1)
     used, spec = set(), []
     for name, dim in zip(logical_axes, shape):
         if name is not None and name not in LOGICAL_AXIS_RULES:
