@@ -25,6 +25,7 @@ from flax import nnx
 from models.attention import AttentionMetadata
 from models.config import ModelConfig, rope_inv_freq
 from pallas_kernels import dispatch
+from pallas_kernels.rms_norm import rms_norm
 from sharding.rules import shard_over_heads
 
 
@@ -44,9 +45,11 @@ class RMSNorm(nnx.Module):
         self.scale = _param(rngs, (dim,), (axis_name,), param_dtype, nnx.initializers.ones)
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], eps=self.eps)
+
+    def add(self, x, r, implementation: str):
+        """(x + r, this norm of it): a residual add and the norm after it (one launch on GPU)."""
+        return dispatch.add_rms_norm(x, r, self.scale[...], eps=self.eps, implementation=implementation)
 
 
 class Attention(nnx.Module):
@@ -74,17 +77,17 @@ class Attention(nnx.Module):
         qkv = jnp.einsum("td,dgrh->tgrh", x, self.qkv_proj[...].astype(dt), precision=prec)
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias[...].astype(dt)
-        R = qkv.shape[2] - 2
-        q, k, v = qkv[:, :, :R].reshape(T, cfg.num_heads, -1), qkv[:, :, R], qkv[:, :, R + 1]
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o, kv_pages = self._write_and_attend(kv_pages, q, k, v, *meta)
+            R = qkv.shape[2] - 2
+            qkv = jnp.concatenate([self.q_norm(qkv[:, :, :R]), self.k_norm(qkv[:, :, R:R + 1]), qkv[:, :, R + 1:]],
+                                  axis=2)
+        o, kv_pages = self._write_and_attend(kv_pages, qkv, cos, sin, *meta)
         return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
 
-    def _write_and_attend(self, kv_pages, q, k, v, *meta):
-        def run(kv_pages, q, k, v, *meta):
-            kv_pages = dispatch.write_kv_pages(kv_pages, k, v, *meta, implementation=self.attn_impl)
+    def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta):
+        def run(kv_pages, qkv, cos, sin, *meta):
+            # RoPE, the KV write and q's split out of the merged projection: one launch on GPU.
+            q, kv_pages = dispatch.write_qkv(kv_pages, qkv, cos, sin, *meta, implementation=self.attn_impl)
             o = dispatch.ragged_paged_attention(
                 q, kv_pages, *meta, sm_scale=self.cfg.head_dim**-0.5, sliding_window=self.cfg.sliding_window,
                 implementation=self.attn_impl,
@@ -93,7 +96,7 @@ class Attention(nnx.Module):
 
         if self.head_mesh is not None:
             run = shard_over_heads(run, self.head_mesh)
-        return run(kv_pages, q, k, v, *meta)
+        return run(kv_pages, qkv, cos, sin, *meta)
 
 
 class MLP(nnx.Module):
@@ -114,16 +117,23 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
                  rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
+        self.attn_impl = attn_impl
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_pages, meta):
-        a, kv_pages = self.attn(self.input_norm(x), cos, sin, kv_pages, meta)
-        x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), kv_pages
+    def __call__(self, x, h, cos, sin, kv_pages, meta, next_norm: RMSNorm | None):
+        """x: the residual stream, h: input_norm(x) (the previous layer computed it with its last
+        add). Returns the new stream, next_norm of it (None: the stream only) and the pages."""
+        a, kv_pages = self.attn(h, cos, sin, kv_pages, meta)
+        x, h = self.post_attn_norm.add(x, a, self.attn_impl)
+        m = self.mlp(h)
+        if next_norm is None:
+            return x + m, None, kv_pages
+        x, h = next_norm.add(x, m, self.attn_impl)
+        return x, h, kv_pages
 
 
 class LlamaModel(nnx.Module):
@@ -173,8 +183,12 @@ class LlamaModel(nnx.Module):
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(self.cfg))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         new_pages = []
-        for layer, pages in zip(self.layers, kv_pages):
-            x, pages = layer(x, cos, sin, pages, meta)
+        h = self.layers[0].input_norm(x)
+        for i, (layer, pages) in enumerate(zip(self.layers, kv_pages)):
+            # each residual add is fused with the norm that reads it (RMSNorm.add); the last one
+            # is not: the final norm runs on the logits rows only
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            x, h, pages = layer(x, h, cos, sin, pages, meta, next_norm)
             new_pages.append(pages)
         if logits_indices is not None:
             x = jnp.take(x, logits_indices, axis=0)
@@ -183,13 +197,6 @@ class LlamaModel(nnx.Module):
         logits = jnp.matmul(x, head.astype(self.dtype), precision=_precision(self.dtype),
                             preferred_element_type=jnp.float32)
         return logits, tuple(new_pages)
-
-
-def apply_rope(x, cos, sin):
-    """Half-split RoPE. x: [T, heads, H]; cos, sin: f32[T, H/2]."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 def qkv_groups(cfg: ModelConfig, kv_repeat: int = 1) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The one place that picks an attention implementation. The model calls only these functions."""
+"""The one place that picks a kernel implementation. The model calls only these functions."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax
 
 from pallas_kernels import flash_attention as _flash_attention
 from pallas_kernels import ragged_paged_attention as _rpa
+from pallas_kernels import rms_norm as _rms_norm
 
 
 def _platform(x) -> str:
@@ -64,6 +65,39 @@ def write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, *
         return _rpa.gpu.write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
     if implementation in ("tpu", "reference"):
         return _rpa.ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
+    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
+
+
+def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+              implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The step's attention input from the merged QKV projection qkv [T, K, R + 2, H]: RoPE (cos,
+    sin f32[T, H/2]) on q and k, k and v written to their page slots (in place when the caller
+    donates kv_pages), q [T, K * R, H] returned. See reference.ref_write_qkv.
+
+    implementation: as write_kv_pages. "gpu" -> one Pallas Triton launch (gpu.write_qkv) where XLA
+    would run RoPE and the interleave as two fusions before the write; "tpu" and "reference" -> the
+    jnp RoPE and the XLA scatter (ref_write_qkv)."""
+    if implementation == "auto":
+        implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
+    if implementation == "gpu":
+        return _rpa.gpu.write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if implementation in ("tpu", "reference"):
+        return _rpa.ref_write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
+    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
+
+
+def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """(x + r, RMSNorm(x + r) * scale): a decoder layer's residual add and the norm after it.
+
+    implementation: the one the model resolved for attention (select_attention_impl): "gpu" -> one
+    Pallas Triton launch (rms_norm/gpu.py) where XLA runs two; "tpu" and "reference" -> jnp
+    (ref_add_rms_norm). "auto" picks by the platform of x."""
+    if implementation == "auto":
+        implementation = _RPA_BY_PLATFORM.get(_platform(x), "reference")
+    if implementation == "gpu":
+        return _rms_norm.add_rms_norm(x, r, scale, eps=eps)
+    if implementation in ("tpu", "reference"):
+        return _rms_norm.ref_add_rms_norm(x, r, scale, eps=eps)
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
 
 

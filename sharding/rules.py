@@ -69,14 +69,15 @@ def head_parallel_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> jax.shardin
 
 
 def shard_over_heads(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
-    """fn(kv_pages [P, G, 2K', H], q [T, N, H], k [T, K', H], v [T, K', H], kv_lens, page_indices,
-    cu_q_lens, num_seqs) -> (o [T, N, H], kv_pages), run per shard of the `tensor` axis: each
-    device gets its N/t query heads, K'/t KV heads and the matching slice of the pool's
-    interleaved K/V axis (kv_cache_sharding), the metadata whole. The heads a query reads stay on
-    its device (query head i reads KV head i // (N/K'), and both split evenly:
-    head_parallel_mesh)."""
+    """fn(kv_pages [P, G, 2K', H], qkv [T, K', R'+2, H], cos, sin, kv_lens, page_indices, cu_q_lens,
+    num_seqs) -> (o [T, N, H], kv_pages), run per shard of the `tensor` axis: each device gets its
+    K'/t groups of the merged projection (their query heads and their KV head's k and v), the
+    matching slice of the pool's interleaved K/V axis (kv_cache_sharding), RoPE's tables and the
+    metadata whole. The heads a query reads stay on its device (query head i reads KV head
+    i // (N/K'), and both split evenly: head_parallel_mesh)."""
     heads, pool, whole = PartitionSpec(None, "tensor", None), _pool_spec(split=True), PartitionSpec()
-    return jax.shard_map(fn, mesh=mesh, in_specs=(pool, heads, heads, heads, whole, whole, whole, whole),
+    groups = PartitionSpec(None, "tensor", None, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(pool, groups) + (whole,) * 6,
                          out_specs=(heads, pool), check_vma=False)
 
 

@@ -4,7 +4,8 @@
 sliding_window=None, soft_cap=None, block_sizes=None, implementation="auto", interpret=False)`
 runs the TPU (Mosaic) or GPU (Triton) kernel; `ref_ragged_paged_attention` is the pure-jnp oracle
 and CPU path. The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu.write_kv_pages`
-(Triton), both placing tokens at `kv_write_slots`. Contract and KV layout: reference.py. Model
+(Triton), both placing tokens at `kv_write_slots`; `ref_write_qkv` and `gpu.write_qkv` do the same from the
+merged QKV projection, with RoPE on q and k on the way (one launch on GPU). Contract and KV layout: reference.py. Model
 code calls pallas_kernels.dispatch.
 """
 
@@ -22,6 +23,9 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ref_cost_estimate,
     ref_ragged_paged_attention,
     ref_write_kv_pages,
+    ref_write_qkv,
+    rope,
+    split_qkv,
 )
 
 IMPLEMENTATIONS = ("tpu", "gpu")
@@ -47,6 +51,9 @@ __all__ = [
     "ref_cost_estimate",
     "ref_ragged_paged_attention",
     "ref_write_kv_pages",
+    "ref_write_qkv",
+    "rope",
+    "split_qkv",
     "validate_inputs",
     "validate_static",
     "validate_values",

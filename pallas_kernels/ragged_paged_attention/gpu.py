@@ -3,7 +3,7 @@
 Work decomposition (all static shapes, so one compile serves every batch of a given padding):
   * a work item is up to `q_tokens_per_block` query tokens of ONE sequence; the item table
     (sequence, first token) is built with a few jnp ops before the launch, with a static upper
-    bound of cdiv(T, bq) + S items (unused items exit at once);
+    bound of min(T, cdiv(T, bq) + S) items (unused items exit at once);
   * grid = (items, KV heads, kv_splits). A program stacks the q heads of its KV head as matmul
     rows (rows = tokens x q heads per KV head, padded to a power of two >= 16, Triton's minimum),
     so each K/V row is read once per KV head, not once per q head: decode is bandwidth bound;
@@ -198,7 +198,9 @@ def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
     n_items = jnp.where(live, (cu_q_lens[1:] - cu_q_lens[:-1] + q_tokens - 1) // q_tokens, 0)
     ends = jnp.cumsum(n_items)
     idx = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, idx, side="right"), S - 1).astype(jnp.int32)
+    # compare_all: searchsorted's default (a scan) is a while loop, which splits the step's CUDA
+    # graph and runs as host-paced launches on the GPU (7 iterations at 64 slots).
+    seq = jnp.minimum(jnp.searchsorted(ends, idx, side="right", method="compare_all"), S - 1).astype(jnp.int32)
     tok = cu_q_lens[seq] + (idx - (ends[seq] - n_items[seq])) * q_tokens
     return jnp.where(idx < ends[-1], seq, -1).astype(jnp.int32), tok.astype(jnp.int32)
 
@@ -213,7 +215,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     S, P_max = page_indices.shape
     bq, bkv, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
     rows = max(16, _next_pow2(bq * (N // K)))
-    num_items = pl.cdiv(T, bq) + S
+    num_items = min(T, pl.cdiv(T, bq) + S)  # every item holds a token: no more items than tokens
     item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T * N, H), q.dtype)]
@@ -291,8 +293,8 @@ def ragged_paged_attention(
 
 @dataclasses.dataclass(frozen=True)
 class WriteBlockSizes:
-    """Tiles of the KV write. rows_per_block: rows of the interleaved [T * 2K, H] K/V (2K per
-    token) per program; a power of two >= 16, Triton's smallest 2-D tile."""
+    """Tiles of the KV write. rows_per_block: rows of the [tokens x groups x rows per group, H]
+    input per program; a power of two >= 16, Triton's smallest 2-D tile."""
 
     rows_per_block: int = 64
     num_warps: int = 4
@@ -306,82 +308,119 @@ class WriteBlockSizes:
             raise ValueError(f"rows_per_block={self.rows_per_block} must be >= 16 (Triton's smallest tile)")
 
 
-def default_write_block_sizes(k) -> WriteBlockSizes:
-    T, K, H = k.shape
+def default_write_block_sizes(num_rows: int, head_dim: int) -> WriteBlockSizes:
     # Not tuned: tiles of ~8k elements (16 KiB of bf16) keep 4 warps at 64 elements per thread;
     # small steps (decode) shrink to the rows they have.
-    rows = min(_next_pow2(2 * T * K), max(16, 8192 // H), 256)
+    rows = min(_next_pow2(num_rows), max(16, 8192 // head_dim), 256)
     return WriteBlockSizes(rows_per_block=max(16, rows))
 
 
 def _write_kernel(
     slots_ref,  # i32[T] flat slot per token; P * G for padding
-    new_ref,  # [T * 2K, H]: token t's K/V rows in the pool's order (2k: K of head k, 2k + 1: its V)
-    kv_in_ref,  # [P * G * 2K, H], aliased to kv_ref
-    kv_ref,  # [P * G * 2K, H]
-    *,
-    rows_per_token: int,
+    new_ref,  # [T * K * (R + 2), H]: per token, per KV head: R query rows, then K, then V
+    *refs,  # (cos f32[T, H/2], sin f32[T, H/2])?, pool (aliased), (q out [T * K * R, H])?, pool out
+    q_rows_per_group: int,
+    num_groups: int,
     num_slots: int,
     block_rows: int,
+    rope: bool,
 ):
-    del kv_in_ref
-    K2 = rows_per_token
+    R = q_rows_per_group
+    if rope:
+        cos_ref, sin_ref, *refs = refs
+    _, *outs = refs  # the aliased pool input is the output's buffer
+    q_ref, kv_ref = outs if R else (None, outs[0])
     r = jnp.arange(block_rows, dtype=jnp.int32)
-    n = pl.program_id(0) * block_rows + r  # row of new: token n // 2K, row n % 2K of its slot
+    n = pl.program_id(0) * block_rows + r  # row n of new: (token, group) n // (R + 2), row n % (R + 2)
     row_ok = n < new_ref.shape[0]
-    slot = plgpu.load(slots_ref.at[lax.div(n, K2)], mask=row_ok, other=num_slots)
-    ok = row_ok & (slot >= 0) & (slot < num_slots)
+    tg = lax.div(n, R + 2)
+    j = n - tg * (R + 2)
+    t = lax.div(tg, num_groups)
+    slot = plgpu.load(slots_ref.at[t], mask=row_ok, other=num_slots)
+    kv_ok = row_ok & (j >= R) & (slot >= 0) & (slot < num_slots)
     # A masked store is a no-op on the GPU, but interpret mode writes back every indexed row (its
-    # old value where masked): masked rows get distinct rows past the pool, which no real row writes
-    # and interpret mode's scatter drops. Negative indices would wrap onto real rows there.
-    dst = jnp.where(ok, slot * K2 + lax.rem(n, K2), kv_ref.shape[0] + r)
-    cols = jnp.arange(new_ref.shape[1], dtype=jnp.int32)[None, :]
-    x = plgpu.load(new_ref.at[n[:, None], cols], mask=ok[:, None], other=0.0)
-    plgpu.store(kv_ref.at[dst[:, None], cols], x.astype(kv_ref.dtype), mask=ok[:, None])
+    # old value where masked): masked rows get distinct rows past the output, which no real row
+    # writes and interpret mode's scatter drops. Negative indices would wrap onto real rows there.
+    kv_dst = jnp.where(kv_ok, (slot * num_groups + tg - t * num_groups) * 2 + j - R, kv_ref.shape[0] + r)
+    H = new_ref.shape[1]
+    if rope:  # half-split RoPE in f32 on q and k rows (reference.rope); v rows pass through
+        half = jnp.arange(H // 2, dtype=jnp.int32)[None, :]
+        x1, x2 = (plgpu.load(new_ref.at[n[:, None], c], mask=row_ok[:, None], other=0.0).astype(jnp.float32)
+                  for c in (half, half + H // 2))
+        c, s = (plgpu.load(ref.at[t[:, None], half], mask=row_ok[:, None], other=0.0) for ref in (cos_ref, sin_ref))
+        turn = (j <= R)[:, None]
+        parts = [(half, jnp.where(turn, x1 * c - x2 * s, x1)), (half + H // 2, jnp.where(turn, x2 * c + x1 * s, x2))]
+    else:
+        cols = jnp.arange(H, dtype=jnp.int32)[None, :]
+        parts = [(cols, plgpu.load(new_ref.at[n[:, None], cols], mask=row_ok[:, None], other=0.0))]
+    if R:
+        q_ok = row_ok & (j < R)
+        q_dst = jnp.where(q_ok, tg * R + j, q_ref.shape[0] + r)
+    for cols, x in parts:
+        x = x.astype(new_ref.dtype)  # the reference rounds RoPE's output to the activations' dtype
+        plgpu.store(kv_ref.at[kv_dst[:, None], cols], x.astype(kv_ref.dtype), mask=kv_ok[:, None])
+        if R:
+            plgpu.store(q_ref.at[q_dst[:, None], cols], x, mask=q_ok[:, None])
 
 
-def _write_rows(
+def _write_groups(
     rows: jax.Array,  # [P * G * 2K, H] the pool, flattened; aliased to the output
-    k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
+    new: jax.Array,  # [T, K, R + 2, H]: per KV head, R query heads, then its k, then its v
     slots: jax.Array,  # i32[T]
+    rope: tuple[jax.Array, jax.Array] | None,  # (cos, sin) f32[T, H/2]: RoPE q and k on the way
     *,
     num_slots: int,
-    block_sizes: WriteBlockSizes,
+    block_sizes: WriteBlockSizes | None,
     interpret: bool,
-) -> jax.Array:  # [P * G * 2K, H]
-    """The launch: token t's K/V rows go to rows slots[t] * 2K + 2h (+ 1); only slots in
-    [0, num_slots) are written (tests pass num_slots below the pool's to see that nothing else is).
-
-    k and v are interleaved into the pool's row order first (`interleave_kv`): XLA fuses that with
-    their producers (RoPE of k, the slice of v out of the merged QKV matmul) into one kernel, where
-    handing the launch k and v apart made XLA materialise each (two kernels a layer more on an
-    H200, 1B at batch 1)."""
-    T, K, H = k.shape
-    R = block_sizes.rows_per_block
-    kernel = functools.partial(_write_kernel, rows_per_token=2 * K, num_slots=num_slots, block_rows=R)
+) -> tuple[jax.Array | None, jax.Array]:  # (q [T * K * R, H] or None when R = 0, pool)
+    """The launch: token t's k and v of KV head g go to rows slots[t] * 2K + 2g (+ 1), only for
+    slots in [0, num_slots) (tests pass num_slots below the pool's to see that nothing else is);
+    its query rows, if any, to q. One pass over the merged QKV rows, so XLA materialises neither
+    the RoPE'd q nor the interleaved k/v (two kernels a layer fewer than XLA's RoPE + this write on
+    an H200, 1B at batch 1)."""
+    T, K, R2, H = new.shape
+    R = R2 - 2
+    n = T * K * R2
+    bs = block_sizes or default_write_block_sizes(n, H)
+    kernel = functools.partial(_write_kernel, q_rows_per_group=R, num_groups=K, num_slots=num_slots,
+                               block_rows=bs.rows_per_block, rope=rope is not None)
+    inputs = [slots, new.reshape(n, H), *(rope or ()), rows]
+    out_shape = ([jax.ShapeDtypeStruct((T * K * R, H), new.dtype)] if R else []) + [
+        jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(2 * T * K, R),),
-        in_specs=[any_spec] * 3,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
-        input_output_aliases={2: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
-        cost_estimate=write_kv_cost_estimate(rows, k),
+        grid=(pl.cdiv(n, bs.rows_per_block),),
+        in_specs=[any_spec] * len(inputs),
+        out_specs=[any_spec] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases={len(inputs) - 1: len(out_shape) - 1},
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+        cost_estimate=write_kv_cost_estimate(rows, new),
         interpret=interpret,
         name="write_kv_pages_gpu",
-    )(slots, interleave_kv(k, v).reshape(2 * T * K, H), rows)
+    )(*inputs)
+    return (outs[0] if R else None), outs[-1]
+
+
+def _write_rows(rows, k, v, slots, *, num_slots: int, block_sizes: WriteBlockSizes | None, interpret: bool):
+    """k, v [T, K, H] into the flat pool (a group of two rows per KV head: no query rows, no RoPE)."""
+    return _write_groups(rows, interleave_kv(k, v).reshape(*k.shape[:2], 2, k.shape[2]), slots, None,
+                         num_slots=num_slots, block_sizes=block_sizes, interpret=interpret)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def _write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_sizes, interpret):
+def _write_qkv(kv_pages, new, rope, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_sizes, interpret):
     P, G, K2, H = kv_pages.shape
-    slots = kv_write_slots(kv_lens, page_indices, cu_q_lens, num_seqs, k.shape[0], page_size=G, num_slots=P * G)
-    rows = _write_rows(kv_pages.reshape(P * G * K2, H), k, v, slots, num_slots=P * G, block_sizes=block_sizes,
-                       interpret=interpret)
-    return rows.reshape(P, G, K2, H)
+    slots = kv_write_slots(kv_lens, page_indices, cu_q_lens, num_seqs, new.shape[0], page_size=G, num_slots=P * G)
+    q, rows = _write_groups(kv_pages.reshape(P * G * K2, H), new, slots, rope, num_slots=P * G,
+                            block_sizes=block_sizes, interpret=interpret)
+    return q, rows.reshape(P, G, K2, H)
+
+
+def _check_head_dim(H: int):
+    if H & (H - 1) or H < 16:
+        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
 
 
 def write_kv_pages(
@@ -409,11 +448,40 @@ def write_kv_pages(
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (K2 // 2, H) or K2 % 2:
         raise ValueError(f"k {k.shape} and v {v.shape} must both be [T, K, H] = [T, {K2 // 2}, {H}] for "
                          f"kv_pages {kv_pages.shape}")
-    if H & (H - 1) or H < 16:
-        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
+    _check_head_dim(H)
     if k.shape[0] == 0:
         return kv_pages
-    if block_sizes is None:
-        block_sizes = default_write_block_sizes(k)
-    return _write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           block_sizes=block_sizes, interpret=interpret)
+    new = interleave_kv(k, v).reshape(*k.shape[:2], 2, k.shape[2])
+    return _write_qkv(kv_pages, new, None, kv_lens, page_indices, cu_q_lens, num_seqs,
+                      block_sizes=block_sizes, interpret=interpret)[1]
+
+
+def write_qkv(
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    qkv: jax.Array,  # [T, K, R + 2, H]: per KV head, its R query heads, then its k, then its v
+    cos: jax.Array,  # f32[T, H/2]
+    sin: jax.Array,  # f32[T, H/2]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    block_sizes: WriteBlockSizes | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (q [T, K * R, H] qkv.dtype, kv_pages)
+    """Pallas Triton kernel; same contract as reference.ref_write_qkv: RoPE on q and k, k and v
+    written to their page slots (in place when kv_pages is donated), q returned, in one launch."""
+    P, G, K2, H = kv_pages.shape
+    if qkv.ndim != 4 or qkv.shape[1] * 2 != K2 or qkv.shape[3] != H or qkv.shape[2] < 3:
+        raise ValueError(f"qkv {qkv.shape} must be [T, K, R + 2, H] = [T, {K2 // 2}, R + 2, {H}] with R >= 1 "
+                         f"for kv_pages {kv_pages.shape}")
+    _check_head_dim(H)
+    T, K, R2, _ = qkv.shape
+    if cos.shape != (T, H // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
+    if T == 0:
+        return qkv[:, :, :-2].reshape(T, -1, H), kv_pages
+    rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
+    q, pool = _write_qkv(kv_pages, qkv, rope, kv_lens, page_indices, cu_q_lens, num_seqs,
+                         block_sizes=block_sizes, interpret=interpret)
+    return q.reshape(T, K * (R2 - 2), H), pool

@@ -60,6 +60,38 @@ def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.stack([k, v], axis=2).reshape(T, 2 * K, H)
 
 
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Half-split ("rotate_half") RoPE, the form HF checkpoints use, computed in f32 and rounded to
+    x's dtype. x: [T, heads, H]; cos, sin: f32[T, H/2]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merged [T, K, R + 2, H] rows (per KV head: its R query heads, its k, its v) -> q [T, K * R, H],
+    k [T, K, H], v [T, K, H]. Query head g * R + r reads KV head g (standard GQA order)."""
+    T, K, R2, H = qkv.shape
+    return qkv[:, :, :R2 - 2].reshape(T, K * (R2 - 2), H), qkv[:, :, R2 - 2], qkv[:, :, R2 - 1]
+
+
+def ref_write_qkv(
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    qkv: jax.Array,  # [T, K, R + 2, H]
+    cos: jax.Array,  # f32[T, H/2]
+    sin: jax.Array,  # f32[T, H/2]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+) -> tuple[jax.Array, jax.Array]:  # (q [T, K * R, H] qkv.dtype, kv_pages)
+    """A step's attention input from the merged QKV projection: RoPE on q and k, k and v written
+    to their page slots (ref_write_kv_pages), q returned for attention."""
+    q, k, v = split_qkv(qkv)
+    return rope(q, cos, sin), ref_write_kv_pages(kv_pages, rope(k, cos, sin), v, kv_lens, page_indices,
+                                                 cu_q_lens, num_seqs)
+
+
 def ref_write_kv_pages(
     kv_pages: jax.Array,  # [P, G, 2K, H]
     k: jax.Array,  # [T, K, H]
@@ -78,15 +110,16 @@ def ref_write_kv_pages(
     return flat.reshape(P, G, K2, H)
 
 
-def write_kv_cost_estimate(kv_pages, k) -> pl.CostEstimate:
-    """What the write must move: the step's K and V rows read once and written once, plus the slot
-    of each token. Write kernels pass this to pallas_call."""
-    T, K, H = k.shape
-    rows = 2 * T * K * H
+def write_kv_cost_estimate(kv_pages, new) -> pl.CostEstimate:
+    """What the write must move: the merged rows new [T, K, R + 2, H] read once, k and v written to
+    the pool and the R query rows (if any) written out, plus the slot of each token. Write kernels
+    pass this to pallas_call."""
+    T, K, R2, H = new.shape
+    itemsize = jnp.dtype(new.dtype).itemsize
     return pl.CostEstimate(
         flops=0,
         transcendentals=0,
-        bytes_accessed=int(rows * (jnp.dtype(k.dtype).itemsize + jnp.dtype(kv_pages.dtype).itemsize) + 4 * T),
+        bytes_accessed=int(T * K * H * ((2 * R2 - 2) * itemsize + 2 * jnp.dtype(kv_pages.dtype).itemsize) + 4 * T),
     )
 
 

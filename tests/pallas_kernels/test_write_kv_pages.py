@@ -1,5 +1,6 @@
 """The step's KV write: the Triton kernel (gpu.write_kv_pages) vs ref_write_kv_pages, the slot
-function both use, and dispatch.
+function both use, and dispatch; the same kernel fed the merged QKV projection with RoPE on the
+way (gpu.write_qkv) vs ref_write_qkv.
 
 CPU: the kernel in interpret mode must equal the XLA scatter bit for bit on fresh random ragged
 batches (prefill chunks, decodes, chunks crossing pages, padding tokens, junk metadata past
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.ragged_paged_attention import gpu, kv_write_slots, ref_write_kv_pages
+from pallas_kernels.ragged_paged_attention import gpu, kv_write_slots, ref_write_kv_pages, ref_write_qkv
 
 ON_GPU = jax.default_backend() == "gpu"
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
@@ -268,6 +269,118 @@ def test_bad_shapes_raise():
         gpu.write_kv_pages(args[0][..., :24], args[1][..., :24], args[2][..., :24], *args[3:], interpret=True)
 
 
+# ---- merged QKV with RoPE (gpu.write_qkv), interpret mode ------------------------------------------
+
+def make_qkv_inputs(s: Shape, q_lens, kv_lens, dtype, rng, *, R: int, kv_dtype=None):
+    """Arguments of write_qkv: make_inputs' pool, k, v and metadata, with R random query heads per
+    KV head merged in front of each k and v, and RoPE tables at random positions. Padding rows of
+    q are NaN too."""
+    kv, k, v, *meta = make_inputs(s, q_lens, kv_lens, dtype, rng, kv_dtype=kv_dtype)
+    q = rng.standard_normal((s.T, s.K, R, s.H), dtype=np.float32)
+    q[sum(q_lens):] = np.nan
+    qkv = jnp.concatenate([jnp.asarray(q, dtype), k[:, :, None], v[:, :, None]], axis=2)
+    angles = rng.integers(0, 1 << 16, (s.T, 1)) * (10000.0 ** -(np.arange(s.H // 2) / (s.H // 2)))
+    return (kv, qkv, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32), *meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _qkv_fns(block_sizes):
+    return (jax.jit(ref_write_qkv),
+            jax.jit(functools.partial(gpu.write_qkv, block_sizes=block_sizes, interpret=True)))
+
+
+def assert_rope_close(got, want, what: str):
+    """Equal up to RoPE's last rounding: XLA (and the GPU) may contract x1 * c - x2 * s into a fused
+    multiply-add where the other side rounds the product first, one unit in the last place of a
+    term (terms are at most ~4 here: standard-normal inputs). Anything else, a NaN from a padding
+    row or a row in the wrong place, is far outside this."""
+    eps = float(jnp.finfo(got.dtype).eps)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2 * eps,
+                               atol=8 * eps, err_msg=what)
+
+
+def check_write_qkv(args, n_real: int, block_sizes, what: str):
+    ref, kernel = _qkv_fns(block_sizes)
+    want_q, want_pool = ref(*args)
+    q, pool = kernel(*args)
+    assert q.shape == want_q.shape and q.dtype == args[1].dtype and pool.dtype == args[0].dtype
+    assert np.isfinite(np.asarray(want_pool.astype(jnp.float32))).all(), f"{what}: a padding row was written"
+    assert_rope_close(pool, want_pool, what)
+    assert_rope_close(q[:n_real], want_q[:n_real], what)
+    # rows of v and slots nobody writes: bit for bit
+    written = np.asarray(_slots_fn()(*args[4:], num_tokens=args[1].shape[0], page_size=args[0].shape[1],
+                                     num_slots=args[0].shape[0] * args[0].shape[1]))
+    rows = lambda x: bits(x).reshape(-1, x.shape[2] // 2, 2, x.shape[3])
+    untouched = np.ones(rows(pool).shape[0], bool)
+    untouched[written[written < untouched.size]] = False
+    np.testing.assert_array_equal(rows(pool)[untouched], rows(want_pool)[untouched], err_msg=what)
+    np.testing.assert_array_equal(rows(pool)[:, :, 1], rows(want_pool)[:, :, 1], err_msg=what)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("R", [1, 4])
+@pytest.mark.parametrize("rows", [16, None], ids=["rows16", "default_rows"])
+def test_write_qkv_matches_reference(shape, dtype, R, rows):
+    """RoPE'd q out, RoPE'd k and v into their slots, bit for bit the jnp RoPE + XLA scatter, on
+    fresh ragged batches (decodes, chunks crossing pages, padding, none at all)."""
+    s = SHAPES[shape]
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    rng = np.random.default_rng(seed)
+    bs = None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows)
+    batches = [random_batch(rng, s) for _ in range(2)]
+    batches += [random_batch(rng, s, decode_only=True), random_batch(rng, s, num_seqs=s.S, fill=True),
+                random_batch(rng, s, num_seqs=0)]
+    for q_lens, kv_lens in batches:
+        args = make_qkv_inputs(s, q_lens, kv_lens, dtype, rng, R=R)
+        check_write_qkv(args, sum(q_lens), bs, f"seed={seed} q_lens={q_lens} kv_lens={kv_lens}")
+
+
+def test_write_qkv_rotates_q_and_k_only():
+    """At position 0 (cos 1, sin 0) RoPE is the identity, elsewhere it moves q and k but never v: the
+    kernel's q equals the input's query heads only where the angle is 0, and v lands unrotated."""
+    s = SHAPES["k2_h32_page4"]
+    rng = np.random.default_rng(3)
+    args = list(make_qkv_inputs(s, (5,), (9,), jnp.float32, rng, R=2))
+    args[2] = args[2].at[0].set(1.0)
+    args[3] = args[3].at[0].set(0.0)
+    q, pool = _qkv_fns(None)[1](*args)
+    np.testing.assert_array_equal(np.asarray(q[0]), np.asarray(args[1][0, :, :2].reshape(4, s.H)))
+    assert not np.allclose(np.asarray(q[1:5]), np.asarray(args[1][1:5, :, :2].reshape(4, 4, s.H)))
+    slots = np.asarray(kv_write_slots(*args[4:], s.T, page_size=s.G, num_slots=s.P * s.G))[:5]
+    rows = np.asarray(pool).reshape(s.P * s.G, s.K, 2, s.H)[slots]
+    np.testing.assert_array_equal(rows[:, :, 1], np.asarray(args[1][:5, :, 3]))
+    np.testing.assert_array_equal(rows[0, :, 0], np.asarray(args[1][0, :, 2]))
+
+
+def test_write_qkv_f32_into_bf16_cache():
+    s = SHAPES["k1_h128_page16"]
+    rng = np.random.default_rng()
+    q_lens, kv_lens = random_batch(rng, s)
+    args = make_qkv_inputs(s, q_lens, kv_lens, jnp.float32, rng, R=3, kv_dtype=jnp.bfloat16)
+    check_write_qkv(args, sum(q_lens), gpu.WriteBlockSizes(rows_per_block=16), f"{q_lens} {kv_lens}")
+
+
+def test_write_qkv_lowers_for_cuda_in_place():
+    """One Triton launch with the pool (operand 4: slots, rows, cos, sin, pool) aliased to output 1."""
+    s = SHAPES["k8_h16_page8"]
+    args = make_qkv_inputs(s, (3, 1), (9, 17), jnp.bfloat16, np.random.default_rng(1), R=4)
+    text = jax.jit(gpu.write_qkv, donate_argnums=0).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("write_kv_pages_gpu") >= 1 and "triton" in text
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 4" in text
+
+
+def test_write_qkv_bad_shapes_raise():
+    s = SHAPES["k2_h32_page4"]
+    args = make_qkv_inputs(s, (1,), (3,), jnp.float32, np.random.default_rng(2), R=2)
+    with pytest.raises(ValueError, match=r"must be \[T, K, R \+ 2, H\] = \[T, 2, R \+ 2, 32\]"):
+        gpu.write_qkv(args[0], args[1][:, :1], *args[2:], interpret=True)
+    with pytest.raises(ValueError, match="R >= 1"):
+        gpu.write_qkv(args[0], args[1][:, :, 2:], *args[2:], interpret=True)
+    with pytest.raises(ValueError, match=r"cos \(37, 8\) and sin \(37, 16\)"):
+        gpu.write_qkv(args[0], args[1], args[2][:, :8], *args[3:], interpret=True)
+
+
 # ---- dispatch -------------------------------------------------------------------------------------
 
 def test_dispatch_routes_by_implementation():
@@ -285,6 +398,23 @@ def test_dispatch_routes_by_implementation():
         assert ("write_kv_pages_gpu" in text) == kernel, impl
     with pytest.raises(ValueError, match="implementation='cuda'"):
         dispatch.write_kv_pages(*args, implementation="cuda")
+
+
+def test_dispatch_write_qkv_routes_by_implementation():
+    s = SHAPES["k2_h32_page4"]
+    rng = np.random.default_rng()
+    q_lens, kv_lens = random_batch(rng, s)
+    args = make_qkv_inputs(s, q_lens, kv_lens, jnp.bfloat16, rng, R=2)
+    want_q, want_pool = ref_write_qkv(*args)
+    for impl in ("tpu", "reference", "auto"):
+        q, pool = dispatch.write_qkv(*args, implementation=impl)
+        np.testing.assert_array_equal(bits(pool), bits(want_pool))
+        np.testing.assert_array_equal(bits(q), bits(want_q))
+    for impl, kernel in (("gpu", True), ("reference", False)):
+        f = jax.jit(functools.partial(dispatch.write_qkv, implementation=impl))
+        assert ("write_kv_pages_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()) == kernel
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        dispatch.write_qkv(*args, implementation="cuda")
 
 
 # ---- Real GPU -------------------------------------------------------------------------------------
@@ -332,3 +462,30 @@ def test_donated_write_has_no_pool_copy_on_device():
                        donate_argnums=0).lower(*args).compile()
     assert "triton" in compiled.as_text().lower()
     assert_in_place(compiled, args[0].nbytes)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", list(GPU_SHAPES))
+@pytest.mark.parametrize("dtype,kv_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                                            (jnp.float32, jnp.bfloat16)],
+                         ids=["float32", "bfloat16", "f32_into_bf16"])
+def test_write_qkv_on_device(case, dtype, kv_dtype):
+    """The real kernel against the reference (assert_rope_close), and every slot the reference
+    leaves alone keeps its bits."""
+    s, kind = GPU_SHAPES[case]
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    rng = np.random.default_rng(seed)
+    for rows in (None, 16):
+        bs = None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows)
+        f = jax.jit(functools.partial(gpu.write_qkv, block_sizes=bs), donate_argnums=0)
+        q_lens, kv_lens = random_batch(rng, s, decode_only=kind == "decode", num_seqs=s.S if kind else None)
+        args = make_qkv_inputs(s, q_lens, kv_lens, dtype, rng, R=4, kv_dtype=kv_dtype)
+        want_q, want_pool = jax.jit(ref_write_qkv)(*args)
+        before = bits(args[0]).copy()
+        q, pool = f(*args)
+        n, what = sum(q_lens), f"seed={seed} rows={rows}"
+        assert_rope_close(pool, want_pool, what)
+        assert_rope_close(q[:n], want_q[:n], what)
+        untouched = np.all(bits(want_pool) == before, axis=-1)
+        np.testing.assert_array_equal(bits(pool)[untouched], before[untouched])
