@@ -18,11 +18,13 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
 Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
 default is TF32, ~1e-3 relative error).
 
-`write_kv_pages` is the step's KV write: the same contract as reference.ref_write_kv_pages, in place
-(the pool is aliased to the output). Grid over blocks of (token, KV head) rows; each program copies
-its rows of k and v to rows slot * 2K + 2h and + 1 of the pool seen as [P * G * 2K, H]. Why not the
-XLA scatter: on an H200 it took 69 us a layer for 8192 new rows of 8 KV heads x 128 (16 MB of
-bf16, ~9 us as a copy) and 12.4 us for 256 rows (docs/benchmarks.md).
+`write_qkv` is the step's KV write, from the merged QKV projection: the same contract as
+reference.ref_write_qkv, in place (the pool is aliased to the output). Grid over blocks of the
+[T * K * (R + 2), H] rows; each program RoPEs its query and k rows, copies k and v to rows
+slot * 2K + 2h and + 1 of the pool seen as [P * G * 2K, H] and query rows to q. `write_kv_pages`
+(k and v given apart, reference.ref_write_kv_pages) is the same kernel with no query rows and no
+RoPE. Why not the XLA scatter: on an H200 it took 69 us a layer for 8192 new rows of 8 KV heads x
+128 (16 MB of bf16, ~9 us as a copy) and 12.4 us for 256 rows (docs/benchmarks.md).
 """
 
 from __future__ import annotations
