@@ -201,6 +201,20 @@ def test_gpu_default_block_sizes(case):
     check_kernel(functools.partial(gpu.ragged_paged_attention, interpret=True), case, jnp.bfloat16)
 
 
+def test_gpu_default_block_sizes_stack_prefill_rows():
+    """A bucket of prefill chunks (T >= 8 S) stacks 64 rows a program (16 tokens of GQA 4), a
+    decode-sized one 16 (4 tokens); the 64-row default matches the reference."""
+    shape = Shape(T=64, S=4)
+    args, n_real = make_inputs(shape, Batch((30, 17, 1, 16), (30, 40, 70, 16)), jnp.bfloat16, seed=5)
+    assert gpu.default_block_sizes(args[0], args[1], args[3]).q_tokens_per_block == 16
+    assert gpu.default_block_sizes(args[0][:8], args[1], args[3]).q_tokens_per_block == 4
+    ref = jax.jit(functools.partial(ref_ragged_paged_attention, **_opts(shape)))(*args)
+    out = gpu.ragged_paged_attention(*args, **_opts(shape), interpret=True)
+    atol, rtol = tol(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:n_real], np.asarray(ref, np.float32)[:n_real],
+                               atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("pages_per_seq", [1, 2, 3, 5, 7, 9])
 def test_gpu_default_block_sizes_fit_any_page_table(pages_per_seq, page_size):
