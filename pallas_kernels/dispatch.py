@@ -51,32 +51,17 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                                        implementation=implementation)
 
 
-def write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                   implementation: str = "auto") -> jax.Array:
-    """Write this step's new K/V into their page slots; in place when the caller donates kv_pages.
-
-    implementation: the one the model resolved for attention (select_attention_impl), so the write
-    runs where the cache lives: "gpu" -> the Pallas Triton write kernel (ragged_paged_attention/
-    gpu.py); "tpu" and "reference" -> one XLA scatter of the step's T rows (ref_write_kv_pages).
-    "auto" picks by the platform of kv_pages and its head dim, as select_attention_impl does."""
-    if implementation == "auto":
-        implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
-    if implementation == "gpu":
-        return _rpa.gpu.write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
-    if implementation in ("tpu", "reference"):
-        return _rpa.ref_write_kv_pages(kv_pages, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
-    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
-
-
 def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *,
               implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
     """The step's attention input from the merged QKV projection qkv [T, K, R + 2, H]: RoPE (cos,
     sin f32[T, H/2]) on q and k, k and v written to their page slots (in place when the caller
     donates kv_pages), q [T, K * R, H] returned. See reference.ref_write_qkv.
 
-    implementation: as write_kv_pages. "gpu" -> one Pallas Triton launch (gpu.write_qkv) where XLA
-    would run RoPE and the interleave as two fusions before the write; "tpu" and "reference" -> the
-    jnp RoPE and the XLA scatter (ref_write_qkv)."""
+    implementation: the one the model resolved for attention (select_attention_impl), so the write
+    runs where the cache lives: "gpu" -> one Pallas Triton launch (ragged_paged_attention/gpu.py)
+    where XLA would run RoPE and the K/V interleave as two fusions before a write; "tpu" and
+    "reference" -> the jnp RoPE and one XLA scatter of the step's T rows (ref_write_qkv). "auto"
+    picks by the platform of kv_pages and its head dim, as select_attention_impl does."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
     if implementation == "gpu":

@@ -327,9 +327,9 @@ def test_write_kv_pages(dtype):
     written[[11, 11, 11, 3], [1, 2, 3, 0]] = True
     untouched = np.asarray(out.astype(jnp.float32))[~written]
     np.testing.assert_array_equal(untouched, want[~written])  # padding tokens 8..10 wrote nothing
-    assert np.asarray(dispatch.write_kv_pages(jnp.asarray(kv0), jnp.asarray(k), jnp.asarray(v),
-                                              jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi),
-                                              jnp.asarray(cu), jnp.asarray([0], jnp.int32)) == kv0).all()
+    assert np.asarray(ref_write_kv_pages(jnp.asarray(kv0), jnp.asarray(k), jnp.asarray(v),
+                                         jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi),
+                                         jnp.asarray(cu), jnp.asarray([0], jnp.int32)) == kv0).all()
 
 
 def test_write_then_attend_matches_dense_attention():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.rms_norm import add_rms_norm, gpu, ref_add_rms_norm, rms_norm
+from pallas_kernels.rms_norm import add_rms_norm, ref_add_rms_norm, rms_norm
 
 ON_GPU = jax.default_backend() == "gpu"
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")

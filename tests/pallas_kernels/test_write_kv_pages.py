@@ -1,6 +1,6 @@
 """The step's KV write: the Triton kernel (gpu.write_kv_pages) vs ref_write_kv_pages, the slot
-function both use, and dispatch; the same kernel fed the merged QKV projection with RoPE on the
-way (gpu.write_qkv) vs ref_write_qkv.
+function both use; the same kernel fed the merged QKV projection with RoPE on the
+way (gpu.write_qkv, the model's write) vs ref_write_qkv, and dispatch.
 
 CPU: the kernel in interpret mode must equal the XLA scatter bit for bit on fresh random ragged
 batches (prefill chunks, decodes, chunks crossing pages, padding tokens, junk metadata past
@@ -383,24 +383,9 @@ def test_write_qkv_bad_shapes_raise():
 
 # ---- dispatch -------------------------------------------------------------------------------------
 
-def test_dispatch_routes_by_implementation():
-    """"gpu" traces the Triton kernel (lowered for CUDA here); "tpu", "reference" and "auto" on CPU
-    run the scatter."""
-    s = SHAPES["k2_h32_page4"]
-    rng = np.random.default_rng()
-    args = make_inputs(s, *random_batch(rng, s), jnp.bfloat16, rng)
-    want = bits(_ref_fn()(*args))
-    for impl in ("tpu", "reference", "auto"):
-        np.testing.assert_array_equal(bits(dispatch.write_kv_pages(*args, implementation=impl)), want)
-    for impl, kernel in (("gpu", True), ("reference", False)):
-        f = jax.jit(functools.partial(dispatch.write_kv_pages, implementation=impl))
-        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("write_kv_pages_gpu" in text) == kernel, impl
-    with pytest.raises(ValueError, match="implementation='cuda'"):
-        dispatch.write_kv_pages(*args, implementation="cuda")
-
-
 def test_dispatch_write_qkv_routes_by_implementation():
+    """"gpu" traces the Triton kernel (lowered for CUDA here); "tpu", "reference" and "auto" on CPU
+    run the jnp RoPE and the scatter."""
     s = SHAPES["k2_h32_page4"]
     rng = np.random.default_rng()
     q_lens, kv_lens = random_batch(rng, s)
@@ -458,8 +443,7 @@ def test_donated_write_has_no_pool_copy_on_device():
     s, _ = GPU_SHAPES["prefill_8192_k8"]
     rng = np.random.default_rng()
     args = make_inputs(s, *random_batch(rng, s), jnp.bfloat16, rng)
-    compiled = jax.jit(functools.partial(dispatch.write_kv_pages, implementation="gpu"),
-                       donate_argnums=0).lower(*args).compile()
+    compiled = jax.jit(gpu.write_kv_pages, donate_argnums=0).lower(*args).compile()
     assert "triton" in compiled.as_text().lower()
     assert_in_place(compiled, args[0].nbytes)
 
