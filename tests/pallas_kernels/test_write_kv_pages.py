@@ -413,12 +413,15 @@ GPU_SHAPES = {
 }
 
 
+DEVICE_DTYPES = pytest.mark.parametrize(
+    "dtype,kv_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)],
+    ids=["float32", "bfloat16", "f32_into_bf16"])
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("case", list(GPU_SHAPES))
-@pytest.mark.parametrize("dtype,kv_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                            (jnp.float32, jnp.bfloat16)],
-                         ids=["float32", "bfloat16", "f32_into_bf16"])
+@DEVICE_DTYPES
 def test_kernel_on_device(case, dtype, kv_dtype):
     s, kind = GPU_SHAPES[case]
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
@@ -451,9 +454,7 @@ def test_donated_write_has_no_pool_copy_on_device():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("case", list(GPU_SHAPES))
-@pytest.mark.parametrize("dtype,kv_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                            (jnp.float32, jnp.bfloat16)],
-                         ids=["float32", "bfloat16", "f32_into_bf16"])
+@DEVICE_DTYPES
 def test_write_qkv_on_device(case, dtype, kv_dtype):
     """The real kernel against the reference (assert_rope_close), and every slot the reference
     leaves alone keeps its bits."""
