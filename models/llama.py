@@ -117,7 +117,6 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
                  rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
-        self.attn_impl = attn_impl
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
@@ -128,11 +127,12 @@ class DecoderLayer(nnx.Module):
         """x: the residual stream, h: input_norm(x) (the previous layer computed it with its last
         add). Returns the new stream, next_norm of it (None: the stream only) and the pages."""
         a, kv_pages = self.attn(h, cos, sin, kv_pages, meta)
-        x, h = self.post_attn_norm.add(x, a, self.attn_impl)
+        impl = self.attn.attn_impl  # the kernels for the platform the model lives on
+        x, h = self.post_attn_norm.add(x, a, impl)
         m = self.mlp(h)
         if next_norm is None:
             return x + m, None, kv_pages
-        x, h = next_norm.add(x, m, self.attn_impl)
+        x, h = next_norm.add(x, m, impl)
         return x, h, kv_pages
 
 

@@ -40,9 +40,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton_tiles import next_pow2
+
 from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate_inputs
 from pallas_kernels.ragged_paged_attention.reference import (
-    interleave_kv,
     kv_write_slots,
     ref_cost_estimate,
     write_kv_cost_estimate,
@@ -51,10 +52,6 @@ from pallas_kernels.ragged_paged_attention.reference import (
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
 _DEFAULT_NUM_SMS = 132  # H100 / H200 SXM; used when the device does not report core_count
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _num_sms() -> int:
@@ -83,7 +80,7 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     ppb = 1 << (max(1, min(P_max, 64 // G)).bit_length() - 1)
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
-    splits = _next_pow2(pl.cdiv(2 * _num_sms(), items * K))
+    splits = next_pow2(pl.cdiv(2 * _num_sms(), items * K))
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, 4 * ppb * G)))
     return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_splits=splits,
                       num_warps=4, num_stages=2)
@@ -219,7 +216,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     K = K2 // 2
     S, P_max = page_indices.shape
     bq, bkv, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
-    rows = max(16, _next_pow2(bq * (N // K)))
+    rows = max(16, next_pow2(bq * (N // K)))
     num_items = min(T, pl.cdiv(T, bq) + S)  # every item holds a token: no more items than tokens
     item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
     if splits == 1:
@@ -316,7 +313,7 @@ class WriteBlockSizes:
 def default_write_block_sizes(num_rows: int, head_dim: int) -> WriteBlockSizes:
     # Not tuned: tiles of ~8k elements (16 KiB of bf16) keep 4 warps at 64 elements per thread;
     # small steps (decode) shrink to the rows they have.
-    rows = min(_next_pow2(num_rows), max(16, 8192 // head_dim), 256)
+    rows = min(next_pow2(num_rows), max(16, 8192 // head_dim), 256)
     return WriteBlockSizes(rows_per_block=max(16, rows))
 
 
@@ -408,12 +405,6 @@ def _write_groups(
     return (outs[0] if R else None), outs[-1]
 
 
-def _write_rows(rows, k, v, slots, *, num_slots: int, block_sizes: WriteBlockSizes | None, interpret: bool):
-    """k, v [T, K, H] into the flat pool (a group of two rows per KV head: no query rows, no RoPE)."""
-    return _write_groups(rows, interleave_kv(k, v).reshape(*k.shape[:2], 2, k.shape[2]), slots, None,
-                         num_slots=num_slots, block_sizes=block_sizes, interpret=interpret)[1]
-
-
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def _write_qkv(kv_pages, new, rope, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_sizes, interpret):
     P, G, K2, H = kv_pages.shape
@@ -456,7 +447,7 @@ def write_kv_pages(
     _check_head_dim(H)
     if k.shape[0] == 0:
         return kv_pages
-    new = interleave_kv(k, v).reshape(*k.shape[:2], 2, k.shape[2])
+    new = jnp.stack([k, v], axis=2)  # [T, K, 2, H]: groups of k and v, no query rows
     return _write_qkv(kv_pages, new, None, kv_lens, page_indices, cu_q_lens, num_seqs,
                       block_sizes=block_sizes, interpret=interpret)[1]
 

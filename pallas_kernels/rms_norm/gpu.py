@@ -17,16 +17,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton_tiles import next_pow2
+
 from pallas_kernels.rms_norm.reference import validate
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def default_block_rows(T: int, D: int) -> int:
     """Rows per program: a tile of about 4k elements (Triton tiles are powers of two)."""
-    return max(1, min(_next_pow2(T), 4096 // _next_pow2(D)))
+    return max(1, min(next_pow2(T), 4096 // next_pow2(D)))
 
 
 def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: int, cols: int):
@@ -53,7 +51,7 @@ def _add_rms_norm(x, r, scale, *, eps, block_rows, interpret):
     itemsize = jnp.dtype(x.dtype).itemsize
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=_next_pow2(D)),
+        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D)),
         grid=(pl.cdiv(T, block_rows),),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 2,

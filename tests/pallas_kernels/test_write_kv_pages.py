@@ -197,8 +197,9 @@ def test_slots_outside_the_pool_write_nothing(K):
     pool = rng.standard_normal(((num_slots + guard) * 2 * K, H)).astype(np.float32)
     k, v = (rng.standard_normal((T, K, H)).astype(np.float32) for _ in range(2))
     k[bad] = v[bad] = np.nan
-    out = jax.jit(functools.partial(gpu._write_rows, num_slots=num_slots, interpret=True,
-                                    block_sizes=gpu.WriteBlockSizes(rows_per_block=16)))(
+    out = jax.jit(lambda pool, k, v, slots: gpu._write_groups(
+        pool, jnp.stack([k, v], axis=2), slots, None, num_slots=num_slots, interpret=True,
+        block_sizes=gpu.WriteBlockSizes(rows_per_block=16))[1])(
         jnp.asarray(pool), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
     want = pool.copy().reshape(num_slots + guard, K, 2, H)
     ok = np.setdiff1d(np.arange(T), bad)
