@@ -153,7 +153,7 @@ def flash_attention_triton(
 ) -> jax.Array:  # [B, T, N, H]
     p = validate_inputs(q, k, v, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
     seg = normalize_segment_ids(segment_ids, p.B, p.T, p.S)
-    B, T, S, N, K, H, G = p.B, p.T, p.S, p.N, p.K, p.H, p.group
+    B, T, S, N, H, G = p.B, p.T, p.S, p.N, p.H, p.group
     Hp = max(16, pl.next_power_of_2(H))  # Triton tiles are powers of two; zero columns change nothing
     bs = block_sizes or default_block_sizes(Hp)
     _check_triton_blocks(bs)

@@ -81,7 +81,7 @@ def flash_attention_mosaic(
     if not supports(q, segment_ids=None):
         raise ValueError(f"q: the Mosaic GPU kernel needs bf16/f16 and head_dim in {SUPPORTED_HEAD_DIMS}; "
                          f"got {q.dtype}, head_dim {q.shape[-1]}")
-    B, T, S, N, K, H, G = p.B, p.T, p.S, p.N, p.K, p.H, p.group
+    B, T, S, N, H, G = p.B, p.T, p.S, p.N, p.H, p.group
     bs = block_sizes or DEFAULT_BLOCK_SIZES[H]
     _check_blocks(bs, H)
     bq, bkv = bs.block_q, bs.block_kv

@@ -127,7 +127,7 @@ def flash_attention_tpu(
     seg = normalize_segment_ids(segment_ids, p.B, p.T, p.S)
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     _check_tpu_blocks(bs)
-    B, T, S, N, K, H, G = p.B, p.T, p.S, p.N, p.K, p.H, p.group
+    B, T, S, N, H, G = p.B, p.T, p.S, p.N, p.H, p.group
     bq = min(bs.block_q, round_up(T, 8))
     bk = min(bs.block_kv, round_up(S, _LANES))
     Tp, Sp = round_up(T, bq), round_up(S, bk)

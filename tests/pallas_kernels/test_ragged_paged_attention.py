@@ -336,7 +336,7 @@ def test_write_then_attend_matches_dense_attention():
     """Write a whole prompt through ref_write_kv_pages, then attend: equals dense causal attention."""
     rng = np.random.default_rng(3)
     T, N, K, H, G = 9, 4, 2, 16, 4
-    P, P_max = 6, 3
+    P = 6  # pages in the pool; the prompt takes 3 of them
     q, k, v = (rng.standard_normal((T, n, H)).astype(np.float32) for n in (N, K, K))
     meta = (jnp.asarray([T], jnp.int32), jnp.asarray([[4, 1, 5]], jnp.int32), jnp.asarray([0, T], jnp.int32),
             jnp.asarray([1], jnp.int32))
