@@ -46,6 +46,7 @@ from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate_in
 from pallas_kernels.ragged_paged_attention.reference import (
     kv_write_slots,
     ref_cost_estimate,
+    split_qkv,
     write_kv_cost_estimate,
 )
 
@@ -86,6 +87,12 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
                       num_warps=4, num_stages=2)
 
 
+def _check_head_dim(H: int):
+    """The attention and the write kernels tile the head dim whole."""
+    if H & (H - 1) or H < 16:
+        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
+
+
 def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, int, int]:
     """(q tokens, keys, splits) per program, or ValueError naming the size that does not fit."""
     T, N, H = q.shape
@@ -97,8 +104,7 @@ def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, i
     if bkv & (bkv - 1) or bkv < 16:
         raise ValueError(f"kv_pages_per_block * page size = {bs.kv_pages_per_block} * {G} = {bkv} keys; "
                          "Triton needs a power of two >= 16")
-    if H & (H - 1) or H < 16:
-        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
+    _check_head_dim(H)
     splits = bs.kv_splits if bs.kv_splits is not None else default_block_sizes(q, kv_pages, page_indices).kv_splits
     return min(bs.q_tokens_per_block, T), bkv, splits
 
@@ -414,11 +420,6 @@ def _write_qkv(kv_pages, new, rope, kv_lens, page_indices, cu_q_lens, num_seqs, 
     return q, rows.reshape(P, G, K2, H)
 
 
-def _check_head_dim(H: int):
-    if H & (H - 1) or H < 16:
-        raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
-
-
 def write_kv_pages(
     kv_pages: jax.Array,  # [P, G, 2K, H]
     k: jax.Array,  # [T, K, H]
@@ -476,7 +477,7 @@ def write_qkv(
     if cos.shape != (T, H // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
     if T == 0:
-        return qkv[:, :, :-2].reshape(T, -1, H), kv_pages
+        return split_qkv(qkv)[0], kv_pages
     rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
     q, pool = _write_qkv(kv_pages, qkv, rope, kv_lens, page_indices, cu_q_lens, num_seqs,
                          block_sizes=block_sizes, interpret=interpret)
