@@ -386,6 +386,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests have yet to compute, before prefix-cache hits."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self._waiting)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

@@ -105,3 +105,61 @@ def test_per_prompt_params_and_errors(llm):
         llm.generate([PROMPTS[0], "word " * 400], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()  # the first prompt was withdrawn with the failure
     llm.engine.check_invariants()
+
+
+def test_bad_prompt_raises_before_anything_runs(llm):
+    before = llm.engine.stats()
+    with pytest.raises(ValueError, match=r"request 'prompt 5': .*max_model_len is 256"):
+        llm.generate(PROMPTS + ["One day"] + ["word " * 400], SamplingParams(max_tokens=4))
+    after = llm.engine.stats()
+    assert (after.num_requests, after.num_steps) == (before.num_requests, before.num_steps)
+
+
+def test_prompts_are_queued_as_the_engine_takes_them(llm, monkeypatch):
+    # 24 prompts of 20-40 tokens against 8 slots and a 64-token budget: the queue is topped up to
+    # two budgets (128 tokens) or 8 waiting requests, whichever comes first, between steps, and the
+    # outputs are each prompt's own.
+    tok, engine = llm.tokenizer, llm.engine
+    prompts = [f"{PROMPTS[i % 4]} and the number {i}" + " and then" * (i % 7) for i in range(24)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:6]]
+    seen = []  # (steps run, requests waiting, their tokens) at each queueing
+    add = engine.add_request
+
+    def watched(*a, **k):
+        seen.append((engine.stats().num_steps, engine.scheduler.num_waiting, engine.scheduler.num_waiting_tokens))
+        return add(*a, **k)
+
+    monkeypatch.setattr(engine, "add_request", watched)
+    steps0 = engine.stats().num_steps
+    outs = llm.generate(prompts, params)
+    assert [o.prompt for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs[:6]] == alone
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert len(seen) == 24
+    assert all(w < 8 and t < 128 for _, w, t in seen)  # each add found room under both limits
+    first = sum(s == steps0 for s, _, _ in seen)
+    assert 0 < first < 24  # some prompts were queued only after the first step ran
+    lens, k = [len(tok.encode(p)) for p in prompts], 0
+    while k < 8 and sum(lens[:k]) < 128:
+        k += 1
+    assert first == k < 8  # here the token limit binds first
+    engine.check_invariants()
+
+
+def test_queueing_failure_withdraws_every_request(llm, monkeypatch):
+    engine = llm.engine
+    add, calls = engine.add_request, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("injected")
+        return add(*a, **k)
+
+    monkeypatch.setattr(engine, "add_request", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([f"{p} again" for p in PROMPTS] * 5, SamplingParams(temperature=0.0, max_tokens=30))
+    assert len(calls) == 12 and engine.stats().num_aborted > 0
+    assert not engine.has_unfinished()
+    engine.check_invariants()
