@@ -103,7 +103,7 @@ def test_per_prompt_params_and_errors(llm):
         llm.generate(PROMPTS[:2], [SamplingParams()])
     with pytest.raises(ValueError, match="max_model_len is 256"):
         llm.generate([PROMPTS[0], "word " * 400], SamplingParams(max_tokens=4))
-    assert not llm.engine.has_unfinished()  # the first prompt was withdrawn with the failure
+    assert not llm.engine.has_unfinished()  # every prompt is checked before any is queued
     llm.engine.check_invariants()
 
 
