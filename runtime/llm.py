@@ -154,6 +154,8 @@ class LLM:
         max_num_seqs requests waiting: each step then fills its token budget and its free slots as
         if every prompt had been queued up front. If queueing fails, every request of the call is
         aborted (the engine is left empty) and the error raised."""
+        if not todo:  # every prompt is queued: nothing to count (the decode steps' path)
+            return
         engine = self.engine
         sched, cfg = engine.scheduler, engine.config
         waiting, tokens = sched.num_waiting, sched.num_waiting_tokens

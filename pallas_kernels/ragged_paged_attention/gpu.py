@@ -40,8 +40,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.triton_tiles import next_pow2
-
 from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate_inputs
 from pallas_kernels.ragged_paged_attention.reference import (
     kv_write_slots,
@@ -49,6 +47,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
     write_kv_cost_estimate,
 )
+from pallas_kernels.triton_tiles import next_pow2
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)

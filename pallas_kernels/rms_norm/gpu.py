@@ -17,9 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.triton_tiles import next_pow2
-
 from pallas_kernels.rms_norm.reference import validate
+from pallas_kernels.triton_tiles import next_pow2
 
 
 def default_block_rows(T: int, D: int) -> int:
