@@ -6,7 +6,8 @@ pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some
 n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S bucket (the previous
 bucket + 1) is <= T; unreachable pairs are skipped. With EngineConfig.decode_steps K > 1, the burst
 programs too (K decode steps in one program, runtime/step.py:make_burst_fn), per decode pair (the
-bucket of a step of n sequences with one token each) and sampler (greedy, pick, pick_filtered).
+bucket of a step of n sequences with one token each), sampler (greedy, pick, pick_filtered) and
+penalties (without, with).
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -168,8 +169,8 @@ class StepExecutor:
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(5, 6, 7, 8),  # layout, params treedef, steps, sampler
-            in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
+            static_argnums=(6, 7, 8, 9, 10),  # layout, params treedef, steps, sampler, penalties
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
@@ -191,12 +192,14 @@ class StepExecutor:
 
     def program_keys(self) -> list[tuple]:
         """Every program of the table: the model program per (T, S) pair, the sampler programs per
-        seq bucket, then with decode_steps > 1 the burst programs per decode pair and sampler."""
+        seq bucket, then with decode_steps > 1 the burst programs per decode pair, sampler and
+        penalties (without, with)."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
         keys += [(name, S) for S in seq_buckets for name in self._samplers]
         if self.decode_steps > 1:
-            keys += [("burst", T, S, sampler) for T, S in self.table.decode_pairs() for sampler in BURST_SAMPLERS]
+            keys += [("burst", T, S, sampler, penalties) for T, S in self.table.decode_pairs()
+                     for sampler in BURST_SAMPLERS for penalties in (False, True)]
         return keys
 
     def _abstract(self, a) -> jax.ShapeDtypeStruct:
@@ -209,7 +212,8 @@ class StepExecutor:
             args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
                     self._abstract(self._no_prev), b.layout, self._param_treedef)
             if key[0] == "burst":
-                return self._burst.lower(*args, self.decode_steps, key[3])
+                history = self._abstract(b.history) if key[4] else None
+                return self._burst.lower(*args[:5], history, *args[5:], self.decode_steps, *key[3:])
             return self._model.lower(*args)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
@@ -246,7 +250,7 @@ class StepExecutor:
             if key[0] == "model":
                 what = f"model program (T={key[1]}, S={key[2]})"
             elif key[0] == "burst":
-                what = f"burst program (T={key[1]}, S={key[2]}, {key[3]})"
+                what = f"burst program (T={key[1]}, S={key[2]}, {key[3]}{', penalties' if key[4] else ''})"
             else:
                 what = f"{key[0]} program (S={key[1]})"
             msg = f"{what} was not compiled at warmup; compiling it now while serving"
@@ -269,12 +273,13 @@ class StepExecutor:
         prev = self._no_prev if prev_tokens is None else prev_tokens
         if batch.steps > 1:
             needs = batch.needs
-            if batch.steps != self.decode_steps or needs.penalties or needs.logprobs:
+            if batch.steps != self.decode_steps or needs.logprobs:
                 raise ValueError(f"a burst of {batch.steps} steps with {needs} cannot run here (decode_steps "
-                                 f"{self.decode_steps}; bursts have no penalties or logprobs)")
+                                 f"{self.decode_steps}; bursts have no logprobs)")
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
-            tokens, last, kv_pages = self._executable(("burst", T, S, sampler))(leaves, kv_pages, batch.flat,
-                                                                                 batch.rows, prev)
+            burst = self._executable(("burst", T, S, sampler, needs.penalties))
+            tokens, last, kv_pages = burst(leaves, kv_pages, batch.flat, batch.rows, prev,
+                                           batch.history if needs.penalties else None)
             return tokens, last, None, kv_pages
         model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array

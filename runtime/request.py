@@ -92,13 +92,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def needs_host_per_token(self) -> bool:
-        """Penalties (the token history) and logprobs (one row per token) need the host between
-        two tokens: such a request never decodes in a multi-step burst (runtime/scheduler.py)."""
-        return (self.logprobs is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again for recompute

@@ -4,8 +4,8 @@ Per row, in order (HF's logits-processor order):
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
      over its output tokens (OpenAI's definitions); the last output token may still be on the
      device only (lookahead): the host history holds a placeholder for it (`history_placeholder`);
-  2. EOS and stop token ids banned (-inf) while the row is below min_tokens (the host decides
-     which rows and fills `banned`);
+  2. EOS and stop token ids banned (-inf) while the row is below min_tokens (the host fills
+     `banned` for the rows below it; a burst lifts a row's ban at its `ban_before`: `advance_rows`);
   3. greedy rows (temperature 0) take the argmax here;
   4. temperature, then top-k, top-p (over the top-k renormalized distribution), min-p (relative to
      the most likely token left), then one draw with the Gumbel-max trick.
@@ -79,6 +79,7 @@ class SamplingBatch(NamedTuple):
     seeds: jax.Array  # u32[S, 2]: the request's 64-bit seed as (low, high) words
     positions: jax.Array  # i32[S]: position of the token being sampled (its index in the sequence)
     num_prompt: jax.Array  # i32[S]: history[:num_prompt] is prompt, the rest output
+    ban_before: jax.Array  # i32[S]: `banned` holds while the sampled token's index is below this
     banned: jax.Array  # i32[S, NB]: ids to ban now (min_tokens), -1 padded
 
 
@@ -88,7 +89,7 @@ _COLUMNS = (
     ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("min_p", np.float32, 1),
     ("repetition_penalty", np.float32, 1), ("presence_penalty", np.float32, 1),
     ("frequency_penalty", np.float32, 1), ("seeds", np.uint32, 2), ("positions", np.int32, 1),
-    ("num_prompt", np.int32, 1),
+    ("num_prompt", np.int32, 1), ("ban_before", np.int32, 1),
 )
 _FIXED_COLUMNS = sum(n for _, _, n in _COLUMNS)
 _NEUTRAL = dict(top_p=1.0, repetition_penalty=1.0, banned=-1)  # all other fields: 0
@@ -114,18 +115,19 @@ def empty_rows(S: int, max_banned: int) -> np.ndarray:
     return _neutral_rows(S, max_banned).copy()
 
 
-def request_row(params, seed: tuple[int, int], num_prompt: int) -> bytes:
+def request_row(params, seed: tuple[int, int], num_prompt: int, ban_before: int) -> bytes:
     """The columns of a request's row that stay the same every step (F of them: those before
     `banned`; `positions` left 0 for the packer to set per step), as the bytes of an i32[F].
     `params` is its SamplingParams, `seed` split_seed(seed), `num_prompt` its prompt length (0
-    unless it has penalties). Computed once per request; the packer copies it with
-    `put_request_rows`."""
+    unless it has penalties), `ban_before` the index from which its min_tokens ban is lifted (0:
+    none). Computed once per request; the packer copies it with `put_request_rows`."""
     row = _neutral_rows(1, 0).copy()
     v = sampling_rows(row)
     for name, _, _ in _COLUMNS[:7]:  # the settings, named as in SamplingParams
         getattr(v, name)[0] = getattr(params, name)
     v.seeds[0] = seed
     v.num_prompt[0] = num_prompt
+    v.ban_before[0] = ban_before
     return row.tobytes()
 
 
@@ -207,14 +209,31 @@ def greedy(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32
     return jnp.argmax(_ban(logits, banned), axis=-1).astype(jnp.int32)
 
 
-def apply_penalties(logits: jax.Array, b: SamplingBatch, history: jax.Array) -> jax.Array:
-    """logits f32[S, V], history i32[S, W] (prompt + output ids, -1 padded) -> f32[S, V]."""
-    S, V = logits.shape
-    W = history.shape[1]
+class PenaltyCounts(NamedTuple):
+    out: jax.Array  # f32[S, V]: how often each id occurs among the row's output tokens
+    seen: jax.Array  # bool[S, V]: whether it occurs in the prompt or the output
+
+
+def penalty_counts(b: SamplingBatch, history: jax.Array, vocab_size: int) -> PenaltyCounts:
+    """The counts the penalties read, of history i32[S, W] (prompt + output ids, -1 padded)."""
+    S, W = history.shape
     valid = history >= 0
     is_out = jnp.arange(W, dtype=jnp.int32)[None, :] >= b.num_prompt[:, None]
-    out_counts = _scatter_rows((S, V), history, valid & is_out, jnp.float32)  # f32[S, V]
-    seen = _scatter_rows((S, V), history, valid, jnp.int32) > 0  # bool[S, V]
+    return PenaltyCounts(_scatter_rows((S, vocab_size), history, valid & is_out, jnp.float32),
+                         _scatter_rows((S, vocab_size), history, valid, jnp.int32) > 0)
+
+
+def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
+    """counts with one more output token per row, tokens i32[>= S] (a burst's step: each row's
+    tokens so far stay on the device). Whole counts in f32: the same values as recounting."""
+    S = counts.out.shape[0]
+    rows, cols = jnp.arange(S, dtype=jnp.int32), tokens[:S]
+    return PenaltyCounts(counts.out.at[rows, cols].add(1.0), counts.seen.at[rows, cols].set(True))
+
+
+def apply_penalties(logits: jax.Array, b: SamplingBatch, counts: PenaltyCounts) -> jax.Array:
+    """logits f32[S, V] with the rows' repetition, presence and frequency penalties -> f32[S, V]."""
+    out_counts, seen = counts
     rp = b.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     return (
@@ -251,10 +270,13 @@ def pad_slots(tokens: jax.Array, slots: int) -> jax.Array:
 _POSITIONS_COLUMN = sum(n for _, _, n in _COLUMNS[: [name for name, _, _ in _COLUMNS].index("positions")])
 
 
-def advance_positions(rows: jax.Array, steps) -> jax.Array:
-    """rows i32[S, K] with every row's `positions` moved `steps` tokens on: the rows of model step j
-    of a burst (runtime/step.py), whose sampled tokens sit j places after the first step's."""
-    return rows.at[:, _POSITIONS_COLUMN].add(steps)
+def advance_rows(rows: jax.Array, steps) -> jax.Array:
+    """rows i32[S, K] of model step j = `steps` of a burst (runtime/step.py), whose sampled tokens
+    sit j places after the first step's: every row's `positions` moved j on, and its `banned` ids
+    cleared where that reaches its `ban_before` (min_tokens met)."""
+    rows = rows.at[:, _POSITIONS_COLUMN].add(steps)
+    b = sampling_rows(rows)
+    return rows.at[:, _FIXED_COLUMNS:].set(jnp.where((b.positions < b.ban_before)[:, None], b.banned, -1))
 
 
 def history_placeholder(token: int) -> int:
@@ -264,15 +286,19 @@ def history_placeholder(token: int) -> int:
     return token - 1
 
 
+def resolve_history(history: jax.Array, prev: jax.Array) -> jax.Array:
+    """history i32[S, W] with each entry -(i + 2) (`history_placeholder`) replaced by prev[i]: the
+    token the previous step sampled in row i, which the host has not seen yet."""
+    pending = history <= -2
+    return jnp.where(pending, prev[jnp.clip(-history - 2, 0, prev.shape[0] - 1)], history)
+
+
 def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, prev: jax.Array, *,
              slots: int) -> tuple[jax.Array, jax.Array]:
     """f32[S, V], i32[S, K], i32[S, W], i32[slots] -> penalized logits f32[S, V] and their greedy
-    tokens i32[slots]. A history entry -(i + 2) (`history_placeholder`) is prev[i]: the token the
-    previous step sampled in row i, which the host has not seen yet."""
+    tokens i32[slots]; history placeholders stand for prev's tokens (`resolve_history`)."""
     b = sampling_rows(rows)
-    pending = history <= -2
-    history = jnp.where(pending, prev[jnp.clip(-history - 2, 0, prev.shape[0] - 1)], history)
-    logits = apply_penalties(logits, b, history)
+    logits = apply_penalties(logits, b, penalty_counts(b, resolve_history(history, prev), logits.shape[1]))
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
 

@@ -30,9 +30,9 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_positions, empty_rows, greedy,
-                              history_placeholder, pad_slots, pick, put_request_rows, request_row, sampling_rows,
-                              split_seed)
+from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, count_sampled, empty_rows,
+                              greedy, history_placeholder, pad_slots, penalty_counts, pick, put_request_rows,
+                              request_row, resolve_history, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -134,23 +134,28 @@ BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 
 
 def make_burst_fn(forward: Callable) -> Callable:
-    """burst(param_leaves, kv_pages, flat, rows, prev, layout, treedef, steps, sampler) -> (tokens
-    i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode steps in one program
-    (StepPlan.num_steps). The packed batch is its first model step, one token per sequence; model
-    step j feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j
-    (its pages cover the whole burst; both stop at the end of the page table), and samples with the rows' positions + j, so each token is
-    what a single step at that position would give: the same model program body and, per
-    `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program (the
-    packer never makes a burst of rows with penalties, logprobs or bans in force). `last` is the
-    final model step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA runs
-    it without reading anything back to the host (runtime/sampling.py). Jit it with kv_pages
-    donated and layout, treedef, steps, sampler static; one function object per forward, as
-    make_model_fn."""
+    """burst(param_leaves, kv_pages, flat, rows, prev, history, layout, treedef, steps, sampler,
+    penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode
+    steps in one program (StepPlan.num_steps). The packed batch is its first model step, one token
+    per sequence; model step j feeds each sequence the token it sampled at step j - 1, at position
+    + j with kv_len + j (its pages cover the whole burst; both stop at the end of the page table),
+    and samples with the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where
+    met), so each token is what a single step at that position would give: the same model program
+    body and, per `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick
+    program. With `penalties`, `history` i32[S, W] is the penalize program's input for the first
+    step (placeholders standing for prev's tokens); the counts it gives are carried through the
+    burst, each step's tokens added, and every step penalizes as that program does. Without,
+    history is None. No logprobs: the packer never makes a burst of rows that ask for them. `last`
+    is the final model step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA
+    runs it without reading anything back to the host (runtime/sampling.py). Jit it with kv_pages
+    donated and layout, treedef, steps, sampler, penalties static; one function object per forward,
+    as make_model_fn."""
     return _cached(forward, "_xlaserve_burst_fn", _build_burst_fn)
 
 
 def _build_burst_fn(forward: Callable) -> Callable:
-    def burst(param_leaves, kv_pages, flat, rows, prev, layout: StepLayout, treedef, steps: int, sampler: str):
+    def burst(param_leaves, kv_pages, flat, rows, prev, history, layout: StepLayout, treedef, steps: int,
+              sampler: str, penalties: bool):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
         slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
@@ -161,19 +166,28 @@ def _build_burst_fn(forward: Callable) -> Callable:
         last_pos = layout.P * kv_pages[0].shape[1] - 1
 
         def step(j, carry):
-            kv_pages, tokens, out, _ = carry
+            kv_pages, tokens, out, _, counts = carry
             attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
             positions = jnp.minimum(b.positions + j, last_pos)
             logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
             logits = logits.astype(jnp.float32)
+            rows_j = advance_rows(rows, j)
+            if penalties:
+                logits = apply_penalties(logits, sampling_rows(rows_j), counts)
             if sampler == "greedy":
-                t = pad_slots(greedy(logits, sampling_rows(rows).banned), slots)
+                t = pad_slots(greedy(logits, sampling_rows(rows_j).banned), slots)
             else:
-                t = pick(logits, advance_positions(rows, j), filters=sampler == "pick_filtered", slots=slots)
-            return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t
+                t = pick(logits, rows_j, filters=sampler == "pick_filtered", slots=slots)
+            if penalties:
+                counts = count_sampled(counts, t)
+            return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts
 
-        init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev)
-        kv_pages, _, out, last = jax.lax.fori_loop(0, steps, step, init)
+        counts = None
+        if penalties:  # the counts of the first step's history, for V = the logits' width
+            vocab = jax.eval_shape(forward, params, b.tokens, b.positions, kv_pages, b.attn, b.logits_indices)[0].shape[1]
+            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev), vocab)
+        init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts)
+        kv_pages, _, out, last, _ = jax.lax.fori_loop(0, steps, step, init)
         return out, last, kv_pages
 
     return burst
@@ -200,8 +214,9 @@ class SeqSampling:
         banned = list(dict.fromkeys([*([] if params.ignore_eos else eos_ids), *params.stop_token_ids]))
         penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                      or params.frequency_penalty != 0.0)
-        s = cls(params, np.asarray(banned, np.int32), len(prompt) + params.min_tokens if banned else 0,
-                request_row(params, split_seed(seed), len(prompt) if penalties else 0))
+        ban_before = len(prompt) + params.min_tokens if banned else 0
+        s = cls(params, np.asarray(banned, np.int32), ban_before,
+                request_row(params, split_seed(seed), len(prompt) if penalties else 0, ban_before))
         if penalties:
             s.history = np.full(history_len, -1, np.int32)
             s.history[: len(prompt)] = prompt
@@ -287,12 +302,14 @@ class BatchPacker:
         sb.positions[rows] = [after[i] for i in rows]  # the index the sampled token will have
         for i in rows:
             s = samp[i]
-            if after[i] < s.ban_before:  # below min_tokens (never in a burst)
+            if after[i] < s.ban_before:  # below min_tokens (a burst lifts the ban where met: advance_rows)
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
             out.history[i] = h
             token, end = seqs[i].token_ids[-1], samp[i].history_len
-            if token < 0 and end < len(h):  # the input token is still on the device: the history's last entry too
+            # the input token is still on the device: the history's last entry too (unless the host
+            # resolved it before packing: after a burst with penalties, runtime/engine.py)
+            if token < 0 and end < min(after[i], len(h)):
                 out.history[i, end] = history_placeholder(token)
         out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].params.logprobs is not None for i in rows))
         return out

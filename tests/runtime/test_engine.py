@@ -74,6 +74,57 @@ def test_random_model_batch_and_preemption_equal_alone():
         e.close()
 
 
+def test_bursts_with_penalties_and_min_tokens_equal_single_steps():
+    """Penalties and min_tokens bans inside decode bursts (4 model steps per program) give the
+    tokens single steps give, alone and in a random-arrival batch: consecutive bursts of penalized
+    rows (the host resolves each before it packs the next), greedy and seeded random, and min_tokens
+    bans held and lifted inside a burst. Runs without the shared checkpoint."""
+    model = scaled_dummy()
+    cfg = {**BASE, "seq_buckets": (8,)}
+    single, bursts = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(**cfg, decode_steps=4))
+    try:
+        rng = np.random.default_rng()
+        kinds = [dict(temperature=0.0, repetition_penalty=1.8), dict(temperature=0.0, frequency_penalty=2.0),
+                 dict(temperature=1.0, presence_penalty=2.0, top_k=20),
+                 dict(temperature=0.8, frequency_penalty=1.5, presence_penalty=0.5), dict(temperature=0.0)]
+        reqs = [(f"p{i}", rng.integers(0, 256, int(rng.integers(4, 30))).tolist(),
+                 SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=int(rng.integers(12, 40)),
+                                **kinds[i % len(kinds)])) for i in range(10)]
+        want = {rid: run_one(single, prompt, params).outputs[0].token_ids for rid, prompt, params in reqs}
+        before = bursts.stats().num_bursts
+        for results in ({rid: run_one(bursts, prompt, params) for rid, prompt, params in reqs},
+                        run_workload(bursts, reqs)):
+            for rid, tokens in want.items():
+                assert results[rid].outputs[0].token_ids == tokens, rid
+        assert bursts.stats().num_bursts > before + 10
+        # the penalties decide tokens here: without them the greedy ones differ
+        rid, prompt, params = reqs[1]
+        assert run_one(single, prompt, replace(params, frequency_penalty=0.0)).outputs[0].token_ids != want[rid]
+
+        # min_tokens: a prompt whose greedy tokens t have t[2] not in t[:2] and t[6] not in t[:6].
+        # The prefill samples index 0, bursts 1-4 and 5-8.
+        for _ in range(100):
+            prompt = rng.integers(0, 256, 12).tolist()
+            t = run_one(single, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)).outputs[0].token_ids
+            if t[2] not in t[:2] and t[6] not in t[:6]:
+                break
+        else:
+            pytest.fail("no prompt of 100 had the token pattern needed")
+        lifted = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, ignore_eos=True, stop_token_ids=[t[6]])
+        held = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8, ignore_eos=True, stop_token_ids=[t[2]])
+        for eng in (single, bursts):
+            out = run_one(eng, prompt, lifted).outputs[0]  # the ban is lifted at index 6, mid-burst
+            assert out.token_ids == t[:7] and out.finish_reason == "stop", eng.config.decode_steps
+        ref = run_one(single, prompt, held).outputs[0].token_ids
+        assert ref[:2] == t[:2] and ref[2] != t[2]  # banned at index 2
+        assert run_one(bursts, prompt, held).outputs[0].token_ids == ref
+        check_idle(single)
+        check_idle(bursts)
+    finally:
+        single.close()
+        bursts.close()
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(shared_data_dir() / "stories260k" / "stories260K.bin", dtype="float32", progress=False)

@@ -564,18 +564,20 @@ def test_bursts_run_only_plain_decodes_with_room_and_pages():
     assert plan.num_steps == 4 and h.reqs["a"].is_finished and h.reqs["a"].num_output_tokens == 11
     h.check_all_exact()
     h.check_drained()
-    # Requests that need the host between tokens never burst, nor do those below min_tokens.
-    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.2), SamplingParams(max_tokens=12, logprobs=1),
-                   SamplingParams(max_tokens=12, frequency_penalty=0.5)):
-        h = Harness(num_pages=64, page_size=4, decode_steps=4)
-        h.add("p", rand_prompt(rng, 5), params)
-        h.run()
-        assert all(p.num_steps == 1 for p in h.plans), params
+    # Requests that ask for logprobs (a row per token on the host) never burst.
     h = Harness(num_pages=64, page_size=4, decode_steps=4)
-    h.add("m", rand_prompt(rng, 5), SamplingParams(max_tokens=12, min_tokens=6, ignore_eos=True))
+    h.add("p", rand_prompt(rng, 5), SamplingParams(max_tokens=12, logprobs=1))
     h.run()
-    # the prefill and 5 decodes one by one (below min_tokens), then bursts: 4 tokens, 2 of 4
-    assert [p.num_steps for p in h.plans] == [1] * 6 + [4, 4]
+    assert all(p.num_steps == 1 for p in h.plans)
+    # Penalties and min_tokens bans run in bursts (the device counts tokens and lifts bans): the
+    # prefill, then bursts of 4 from the first decode (4 + 4 + 3 of 4 tokens).
+    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=12, frequency_penalty=0.5, presence_penalty=0.5),
+                   SamplingParams(max_tokens=12, min_tokens=6, ignore_eos=True)):
+        h = Harness(num_pages=64, page_size=4, decode_steps=4)
+        h.add("m", rand_prompt(rng, 5), params)
+        h.run()
+        assert [p.num_steps for p in h.plans] == [1, 4, 4, 4], params
     # Without the pages for a whole burst, single steps (a burst never preempts).
     h = Harness(num_pages=4, page_size=4, max_num_seqs=2, watermark=0.0, decode_steps=4)
     h.add("x", rand_prompt(rng, 7), SamplingParams(max_tokens=8, ignore_eos=True))

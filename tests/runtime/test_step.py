@@ -9,6 +9,7 @@ import threading
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingNeeds, empty_rows, history_placeholder
+from runtime.sampling import SamplingNeeds, empty_rows, history_placeholder, put_request_rows, sampling_rows
 from runtime.scheduler import ScheduledSeq, StepPlan
 from runtime.step import BatchPacker, SeqSampling, StepLayout, make_burst_fn, make_model_fn
 from sharding.rules import kv_cache_sharding
@@ -169,8 +170,8 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
                            b.attn.num_seqs, b.logits_indices])
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(5, 6, 7, 8))(
-        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), layout, treedef, K, "greedy")
+    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10))(
+        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, layout, treedef, K, "greedy", False)
     out = np.asarray(out)
     fed = 42
     for j in range(K):
@@ -180,6 +181,48 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
         assert out[j, 1] // 100 % 100 == 0  # padding keeps kv_len 0
         fed = want
     np.testing.assert_array_equal(np.asarray(last), out[-1])
+
+
+def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
+    """A stand-in model whose logits rank ids 0 < 1 < 2 ... every step. Row 0 has a frequency
+    penalty larger than the spread, so each step must take the best id it has not output yet: its
+    history holds the prompt [5] and outputs [0, placeholder for prev's row 1 = 1]; the burst's own
+    tokens count from the step after they are sampled. Row 1 (no penalties) has id 0 banned below
+    index 7 and samples indices 4-8 (kv_len 4): the ban holds for 3 steps and is lifted for 2."""
+    S, V, K = 2, 16, 5
+    ranked = jnp.asarray(0.1 * (V - np.arange(V)), jnp.float32)  # a spread of 1.6 < the penalty
+
+    def forward(params, tokens, positions, kv_pages, attn, logits_indices):
+        return jnp.broadcast_to(ranked, (logits_indices.shape[0], V)), kv_pages
+
+    layout = StepLayout(T=2, S=S, P=2)
+    b = layout.unflatten(np.zeros(layout.size, np.int32))
+    b.tokens[:] = [-2, 3]
+    b.positions[:] = [3, 3]
+    b.attn.kv_lens[:] = [4, 4]
+    b.attn.cu_q_lens[:] = [0, 1, 2]
+    b.attn.num_seqs[0] = 2
+    b.logits_indices[:] = [0, 1]
+    flat = np.concatenate([b.tokens, b.positions, b.attn.kv_lens, b.attn.page_indices.ravel(), b.attn.cu_q_lens,
+                           b.attn.num_seqs, b.logits_indices])
+    penalized = SeqSampling.create(SamplingParams(temperature=0.0, frequency_penalty=2.0), 0, [5], [], W)
+    banning = SeqSampling.create(SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[0]), 0, [7, 7, 7], [], W)
+    rows = empty_rows(S, NB)
+    put_request_rows(rows, [0, 1], [penalized.row, banning.row])
+    sb = sampling_rows(rows)
+    sb.positions[:] = [3, 4]
+    sb.banned[1, 0] = 0  # index 4 < ban_before 3 + 4: the packer bans it
+    history = np.full((S, W), -1, np.int32)
+    history[0, :3] = [5, 0, history_placeholder(-2)]
+    prev = np.array([9, 1, 0], np.int32)
+    leaves, treedef = jax.tree.flatten({})
+    kv = (np.zeros((2, 4, 2, 8), np.float32),)
+    burst = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10))
+    for sampler in ("greedy", "pick"):
+        out, _, _ = burst(leaves, kv, flat, rows, prev, history, layout, treedef, K, sampler, True)
+        out = np.asarray(out)[:, :S]
+        np.testing.assert_array_equal(out[:, 0], [2, 3, 4, 5, 6], err_msg=sampler)
+        np.testing.assert_array_equal(out[:, 1], [1, 1, 1, 0, 0], err_msg=sampler)
 
 
 @pytest.fixture(scope="module")
