@@ -7,7 +7,10 @@ the same model shape, the same random prompts and the same GPU, in one run.
       --copy-elems 1048576 --matmul-size 256      # CPU smoke test (tests/scripts runs one without HF)
 
 Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `--output-len` tokens
-each, greedy, EOS ignored (every request generates exactly output-len tokens; checked).
+each, greedy, EOS ignored (every request generates exactly output-len tokens; checked). Optional
+penalties: `--repetition-penalty` on both sides (HF's `repetition_penalty` is the same
+definition), `--presence-penalty` / `--frequency-penalty` on xlaserve only (HF generate has no
+such option: run them with `--skip hf`).
 
 `--repeats N` (default 3) times the workload N times on each side, with fresh random prompts each
 time (seeds `--seed`, +2, +4, ...; the same prompts on both sides), and reports the median run and
@@ -99,7 +102,9 @@ def run_xla(args) -> dict:
     llm.generate(make_prompts(min(4, args.num_prompts), args.input_len, mc.vocab_size, args.seed + 1), warm,
                  use_tqdm=False)
     st1 = eng.stats()
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     walls, bad = [], []
     for r in range(args.repeats):
         prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r))
@@ -190,7 +195,8 @@ def run_hf(args) -> dict:
             p.data.normal_(0.0, 0.02)
     init_s = time.perf_counter() - t0
     gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-               cache_implementation="static", pad_token_id=0, eos_token_id=None)
+               cache_implementation="static", pad_token_id=0, eos_token_id=None,
+               repetition_penalty=args.repetition_penalty)
     model.generation_config.eos_token_id = None
     runs = [torch.tensor(make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r)),
                          dtype=torch.long, device=dev) for r in range(args.repeats)]
@@ -245,6 +251,9 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=None, help="default: the engine's estimate from free memory")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="EngineConfig.decode_steps (decode bursts); default: LLM's (runtime/llm.py)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="both sides")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
@@ -255,6 +264,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if (args.presence_penalty or args.frequency_penalty) and "hf" not in args.skip:
+        ap.error("HF generate has no presence or frequency penalty: add --skip hf")
     if args.child:
         res = run_xla(args) if args.child == "xla" else run_hf(args)
         Path(args.child_out).write_text(json.dumps(res, indent=1))
@@ -263,7 +274,9 @@ def main() -> None:
     command = "python3 scripts/bench_throughput.py " + " ".join(sys.argv[1:])
     result = {"command": command, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "workload": {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                           "output_len": args.output_len, "greedy": True, "ignore_eos": True}}
+                           "output_len": args.output_len, "greedy": True, "ignore_eos": True,
+                           "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+                           "frequency_penalty": args.frequency_penalty}}
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("xla", "hf"):
             if side in args.skip:
@@ -285,8 +298,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
     w = result["workload"]
     print(f"\ncommit {result['commit']}  {result['date']}  {command}")
+    penalties = "".join(f", {k} {w[k]}" for k, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                                         ("frequency_penalty", 0.0)) if w[k] != off)
     print(f"workload: {w['model']} bf16 random weights, {w['num_prompts']} prompts x {w['input_len']} in / "
-          f"{w['output_len']} out, greedy, ignore_eos")
+          f"{w['output_len']} out, greedy, ignore_eos{penalties}")
     print(f"median of {args.repeats} timed run(s) per side; output tok/s range over the runs in brackets")
     print("| engine | device | output tok/s | total tok/s | wall s | note |")
     print("| --- | --- | --- | --- | --- | --- |")
