@@ -169,13 +169,15 @@ class StepExecutor:
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(6, 7, 8, 9, 10),  # layout, params treedef, steps, sampler, penalties
-            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
+            static_argnums=(7, 8, 9, 10, 11),  # layout, params treedef, steps, sampler, penalties
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
         self.slots = table.seq_buckets[-1]
         self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
+        # the previous step's tokens when it was a burst (history placeholders read them); zeros else
+        self._no_prev_burst = jax.device_put(np.zeros((decode_steps, self.slots), np.int32), rep)
         self._samplers = {
             name: (jax.jit(p.fn, out_shardings=rep), p.args)
             for name, p in sampler_programs(max_logprobs, self.slots).items()
@@ -212,13 +214,13 @@ class StepExecutor:
             args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
                     self._abstract(self._no_prev), b.layout, self._param_treedef)
             if key[0] == "burst":
-                history = self._abstract(b.history) if key[4] else None
-                return self._burst.lower(*args[:5], history, *args[5:], self.decode_steps, *key[3:])
+                hist = (self._abstract(b.history), self._abstract(self._no_prev_burst)) if key[4] else (None, None)
+                return self._burst.lower(*args[:5], *hist, *args[5:], self.decode_steps, *key[3:])
             return self._model.lower(*args)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
-                      history=b.history, tokens=self._no_prev, prev=self._no_prev)
+                      history=b.history, tokens=self._no_prev, prev=self._no_prev, prev_burst=self._no_prev_burst)
         fn, args = self._samplers[name]
         return fn.lower(*(self._abstract(shapes[a]) for a in args))
 
@@ -261,16 +263,19 @@ class StepExecutor:
         exe = self._executables[key] = self._lower(key).compile()
         return exe
 
-    def __call__(self, params, kv_pages, batch: PackedBatch, prev_tokens: jax.Array | None = None):
+    def __call__(self, params, kv_pages, batch: PackedBatch, prev_tokens: jax.Array | None = None,
+                 prev_burst: jax.Array | None = None):
         """Dispatch one step: the model program, then the sampler programs `batch.needs` asks for
         (runtime/sampling.py); or a burst's program (batch.steps > 1). Asynchronous: returns
         (tokens, last, Logprobs or None when no row asked, kv_pages) as futures at once; tokens is
         i32[slots], or i32[K, slots] for a burst, and `last` i32[slots] the final model step's (the
         next call's `prev_tokens`, which its input tokens -(i + 1) stand for: lookahead,
-        runtime/engine.py)."""
+        runtime/engine.py). After a burst, `prev_burst` is its tokens (what the penalty histories'
+        burst placeholders stand for)."""
         T, S = batch.layout.T, batch.layout.S
         leaves = self._param_leaves if params is self._params else self._param_treedef.flatten_up_to(params)
         prev = self._no_prev if prev_tokens is None else prev_tokens
+        prev_burst = self._no_prev_burst if prev_burst is None else prev_burst
         if batch.steps > 1:
             needs = batch.needs
             if batch.steps != self.decode_steps or needs.logprobs:
@@ -278,15 +283,15 @@ class StepExecutor:
                                  f"{self.decode_steps}; bursts have no logprobs)")
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
             burst = self._executable(("burst", T, S, sampler, needs.penalties))
-            tokens, last, kv_pages = burst(leaves, kv_pages, batch.flat, batch.rows, prev,
-                                           batch.history if needs.penalties else None)
+            hist = (batch.history, prev_burst) if needs.penalties else (None, None)
+            tokens, last, kv_pages = burst(leaves, kv_pages, batch.flat, batch.rows, prev, *hist)
             return tokens, last, None, kv_pages
         model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev)
         tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy,
-                                       batch.rows, batch.history, prev, batch.needs)
+                                       batch.rows, batch.history, prev, prev_burst, batch.needs)
         return tokens, tokens, logprobs, kv_pages
 
     @property

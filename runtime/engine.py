@@ -29,10 +29,9 @@ a choice of programs (runtime/sampling.py): a greedy step is one dispatch, the m
 Bursts (EngineConfig.decode_steps = K > 1): a plan of K decode steps (runtime/scheduler.py) is
 one dispatch of a burst program that returns i32[K, slots] tokens and its last step's i32[slots]
 as the next step's `prev`; the host resolves all K at once, so its work above is paid once per K
-tokens. Penalties run inside a burst too (the counts of the rows' tokens stay on the device), but
-after a burst with penalized rows the next step's histories need all K of its tokens, where a
-placeholder stands for one: the host then resolves the burst before it packs the next step (the
-device idles for the packing and the launch, once per K steps).
+tokens. Penalties run inside a burst too (the counts of the rows' tokens stay on the device); the
+step after a burst gets its i32[K, slots] tokens as well, for the K placeholders in each penalized
+row's history (runtime/sampling.py, burst_history_placeholder).
 
 A stop string is matched late (after steps k+1 and k+2 were dispatched): the request then wastes
 up to two tokens, which the scheduler discards (it skips requests that finished after the plan
@@ -192,6 +191,7 @@ class Engine:
             history_len=config.max_model_len,
             max_banned=config.max_stop_token_ids,
             select_bucket=self.buckets.select,
+            slots=self.buckets.seq_buckets[-1],
         )
         self.executor = StepExecutor(
             make_model_fn(model.forward), params=model.params, kv_pages=self.kv_pages, mesh=model.mesh,
@@ -207,9 +207,8 @@ class Engine:
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
         self._sid_counter = itertools.count()
-        # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor); and
-        # whether it was a burst with penalties (the next step's histories need its tokens)
-        self._inflight: tuple[StepPlan, object, object, object, bool] | None = None
+        # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor)
+        self._inflight: tuple[StepPlan, object, object, object] | None = None
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
@@ -332,19 +331,18 @@ class Engine:
             dispatched = None
             if not plan.is_empty:
                 self._fork(plan)
-                prev = self._inflight[2] if self._inflight is not None else None
-                sampling = lambda sid: self._seqs[sid].sampling  # noqa: E731
-                if self._inflight is not None and self._inflight[4]:  # a burst with penalties: its tokens first
-                    # (they may finish requests of this plan, whose rows resolve then drops)
-                    sampling = {s.request_id: self._seqs[s.request_id].sampling for s in plan.seqs if s.sample}.get
-                    self._finish_inflight()
-                batch = self.packer.pack(plan, sampling)
-                tokens, last, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev)
+                batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
+                prev, prev_burst = None, None
+                if self._inflight is not None:
+                    prev_plan, prev_tokens, prev = self._inflight[:3]
+                    prev_burst = prev_tokens if prev_plan.num_steps > 1 else None
+                tokens, last, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev,
+                                                                      prev_burst)
                 # start the copy to the host now, ordered right after the step: reading the tokens
                 # later then waits for the step, not for a copy queued behind the next step's launch
                 # (H200, 1B batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
                 tokens.copy_to_host_async()
-                dispatched = (plan, tokens, last, logprobs, batch.steps > 1 and batch.needs.penalties)
+                dispatched = (plan, tokens, last, logprobs)
                 self._counts["steps"] += 1
             if self._inflight is not None:
                 self._finish_inflight()  # overlaps the step just dispatched
@@ -368,7 +366,7 @@ class Engine:
             group.to_fork = 0
 
     def _finish_inflight(self) -> None:
-        plan, tokens, _, logprobs, _ = self._inflight
+        plan, tokens, _, logprobs = self._inflight
         self._inflight = None
         n = plan.num_seqs
         sampled = np.asarray(tokens)[..., :n]  # blocks until the device has run the step; [K, n] for a burst

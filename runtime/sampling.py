@@ -2,8 +2,9 @@
 
 Per row, in order (HF's logits-processor order):
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
-     over its output tokens (OpenAI's definitions); the last output token may still be on the
-     device only (lookahead): the host history holds a placeholder for it (`history_placeholder`);
+     over its output tokens (OpenAI's definitions); the last output token (the last K after a
+     burst) may still be on the device only (lookahead): the host history holds placeholders for
+     them (`history_placeholder`, `burst_history_placeholder`);
   2. EOS and stop token ids banned (-inf) while the row is below min_tokens (the host fills
      `banned` for the rows below it; a burst lifts a row's ban at its `ban_before`: `advance_rows`);
   3. greedy rows (temperature 0) take the argmax here;
@@ -286,19 +287,30 @@ def history_placeholder(token: int) -> int:
     return token - 1
 
 
-def resolve_history(history: jax.Array, prev: jax.Array) -> jax.Array:
-    """history i32[S, W] with each entry -(i + 2) (`history_placeholder`) replaced by prev[i]: the
-    token the previous step sampled in row i, which the host has not seen yet."""
-    pending = history <= -2
-    return jnp.where(pending, prev[jnp.clip(-history - 2, 0, prev.shape[0] - 1)], history)
+def burst_history_placeholder(token: int, step: int, slots: int) -> int:
+    """The history entry for the token model step `step` of the previous step, a burst, sampled in
+    row i (placeholder `token` = -(i + 1)): -(2 + slots * (step + 1) + i), past every
+    `history_placeholder`. After a burst the host lacks all K of a row's tokens; the programs read
+    them from the burst's i32[K, slots] tokens (`prev_burst`), on the device."""
+    return -(2 + slots * (step + 1) - token - 1)
 
 
-def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, prev: jax.Array, *,
+def resolve_history(history: jax.Array, prev: jax.Array, prev_burst: jax.Array) -> jax.Array:
+    """history i32[S, W] with its placeholders replaced by the tokens they stand for: -(i + 2)
+    (`history_placeholder`) by prev[i], the token the previous step sampled in row i, and
+    `burst_history_placeholder`s by prev_burst i32[K, slots], the tokens of the previous step when
+    it was a burst (else ignored). The host has not seen either yet."""
+    pool = jnp.concatenate([prev, prev_burst.reshape(-1)])
+    return jnp.where(history <= -2, pool[jnp.clip(-history - 2, 0, pool.shape[0] - 1)], history)
+
+
+def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, prev: jax.Array, prev_burst: jax.Array, *,
              slots: int) -> tuple[jax.Array, jax.Array]:
-    """f32[S, V], i32[S, K], i32[S, W], i32[slots] -> penalized logits f32[S, V] and their greedy
-    tokens i32[slots]; history placeholders stand for prev's tokens (`resolve_history`)."""
+    """f32[S, V], i32[S, K], i32[S, W], i32[slots], i32[K, slots] -> penalized logits f32[S, V] and
+    their greedy tokens i32[slots]; history placeholders stand for prev's or prev_burst's tokens
+    (`resolve_history`)."""
     b = sampling_rows(rows)
-    logits = apply_penalties(logits, b, penalty_counts(b, resolve_history(history, prev), logits.shape[1]))
+    logits = apply_penalties(logits, b, penalty_counts(b, resolve_history(history, prev, prev_burst), logits.shape[1]))
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
 
@@ -332,7 +344,8 @@ def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logp
 class SamplerProgram(NamedTuple):
     fn: Callable
     args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[slots],
-    #                        "prev" i32[slots] (the previous step's tokens)
+    #                        "prev" i32[slots] (the previous step's tokens), "prev_burst" i32[K, slots] (the
+    #                        previous step's when it was a burst)
 
 
 @functools.cache
@@ -341,21 +354,23 @@ def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]
     traces and executables per function object, so engines in one process compile each shape once
     between them."""
     return {
-        "penalize": SamplerProgram(functools.partial(penalize, slots=slots), ("logits", "rows", "history", "prev")),
+        "penalize": SamplerProgram(functools.partial(penalize, slots=slots),
+                                   ("logits", "rows", "history", "prev", "prev_burst")),
         "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
         "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
         "logprobs": SamplerProgram(functools.partial(logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
     }
 
 
-def run_sampler(call: Callable, logits, greedy_tokens, rows, history, prev, needs: SamplingNeeds):
+def run_sampler(call: Callable, logits, greedy_tokens, rows, history, prev, prev_burst, needs: SamplingNeeds):
     """The sampler programs one step needs, in order: `call(name, *args)` runs program `name`.
     logits: the model's raw f32[S, V]; greedy_tokens: i32[slots], `greedy` of them; history:
-    i32[S, W] (None unless needs.penalties); prev: i32[slots], the previous step's tokens (what
-    history placeholders stand for). -> (tokens i32[slots], Logprobs or None when no row asked)."""
+    i32[S, W] (None unless needs.penalties); prev i32[slots] and prev_burst i32[K, slots]: the
+    previous step's tokens (what history placeholders stand for; `resolve_history`). -> (tokens
+    i32[slots], Logprobs or None when no row asked)."""
     x, tokens = logits, greedy_tokens
     if needs.penalties:
-        x, tokens = call("penalize", logits, rows, history, prev)
+        x, tokens = call("penalize", logits, rows, history, prev, prev_burst)
     if needs.random:
         tokens = call("pick_filtered" if needs.filters else "pick", x, rows)
     return tokens, call("logprobs", logits, tokens) if needs.logprobs else None

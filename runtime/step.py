@@ -30,9 +30,9 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, count_sampled, empty_rows,
-                              greedy, history_placeholder, pad_slots, penalty_counts, pick, put_request_rows,
-                              request_row, resolve_history, sampling_rows, split_seed)
+from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, burst_history_placeholder,
+                              count_sampled, empty_rows, greedy, history_placeholder, pad_slots, penalty_counts, pick,
+                              put_request_rows, request_row, resolve_history, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -134,18 +134,18 @@ BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 
 
 def make_burst_fn(forward: Callable) -> Callable:
-    """burst(param_leaves, kv_pages, flat, rows, prev, history, layout, treedef, steps, sampler,
-    penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode
+    """burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout, treedef, steps,
+    sampler, penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode
     steps in one program (StepPlan.num_steps). The packed batch is its first model step, one token
     per sequence; model step j feeds each sequence the token it sampled at step j - 1, at position
     + j with kv_len + j (its pages cover the whole burst; both stop at the end of the page table),
     and samples with the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where
     met), so each token is what a single step at that position would give: the same model program
     body and, per `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick
-    program. With `penalties`, `history` i32[S, W] is the penalize program's input for the first
-    step (placeholders standing for prev's tokens); the counts it gives are carried through the
-    burst, each step's tokens added, and every step penalizes as that program does. Without,
-    history is None. No logprobs: the packer never makes a burst of rows that ask for them. `last`
+    program. With `penalties`, `history` i32[S, W] and `prev_burst` are the penalize program's
+    inputs for the first step (placeholders standing for prev's or prev_burst's tokens); the counts
+    they give are carried through the burst, each step's tokens added, and every step penalizes as
+    that program does. Without, both are None. No logprobs: the packer never makes a burst of rows that ask for them. `last`
     is the final model step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA
     runs it without reading anything back to the host (runtime/sampling.py). Jit it with kv_pages
     donated and layout, treedef, steps, sampler, penalties static; one function object per forward,
@@ -154,7 +154,7 @@ def make_burst_fn(forward: Callable) -> Callable:
 
 
 def _build_burst_fn(forward: Callable) -> Callable:
-    def burst(param_leaves, kv_pages, flat, rows, prev, history, layout: StepLayout, treedef, steps: int,
+    def burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout: StepLayout, treedef, steps: int,
               sampler: str, penalties: bool):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
@@ -185,7 +185,7 @@ def _build_burst_fn(forward: Callable) -> Callable:
         counts = None
         if penalties:  # the counts of the first step's history, for V = the logits' width
             vocab = jax.eval_shape(forward, params, b.tokens, b.positions, kv_pages, b.attn, b.logits_indices)[0].shape[1]
-            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev), vocab)
+            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab)
         init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts)
         kv_pages, _, out, last, _ = jax.lax.fori_loop(0, steps, step, init)
         return out, last, kv_pages
@@ -233,11 +233,13 @@ class SeqSampling:
 class BatchPacker:
     """Packs plans into PackedBatches for the bucket table it is given."""
 
-    def __init__(self, *, pages_per_seq: int, history_len: int, max_banned: int, select_bucket: Callable):
+    def __init__(self, *, pages_per_seq: int, history_len: int, max_banned: int, select_bucket: Callable,
+                 slots: int):
         self.pages_per_seq = pages_per_seq  # P_max
         self.history_len = history_len  # W
         self.max_banned = max_banned  # NB
         self.select_bucket = select_bucket  # (num_tokens, num_seqs) -> (T, S)
+        self.slots = slots  # rows of every program's tokens (the largest seq bucket)
 
     def empty(self, T: int, S: int, *, history: bool = True) -> PackedBatch:
         """An all-padding batch of bucket (T, S): the abstract shapes warmup compiles. With
@@ -307,9 +309,13 @@ class BatchPacker:
         for i, h in histories:
             out.history[i] = h
             token, end = seqs[i].token_ids[-1], samp[i].history_len
-            # the input token is still on the device: the history's last entry too (unless the host
-            # resolved it before packing: after a burst with penalties, runtime/engine.py)
-            if token < 0 and end < min(after[i], len(h)):
-                out.history[i, end] = history_placeholder(token)
+            stop = min(after[i], len(h))  # the history holds the tokens before the sampled one
+            if token < 0 and end < stop:  # the input token is still on the device: the history's last entry too
+                missing = after[i] - end  # 1 after a single step; after a burst all K of its tokens
+                if missing == 1:
+                    out.history[i, end] = history_placeholder(token)
+                else:
+                    out.history[i, end:stop] = [burst_history_placeholder(token, j, self.slots)
+                                                for j in range(stop - end)]
         out.needs = SamplingNeeds.of(out.rows, logprobs=any(samp[i].params.logprobs is not None for i in rows))
         return out

@@ -34,10 +34,10 @@ def batch(rows: int = S, **fields) -> np.ndarray:
     return b
 
 
-def sample(logits, rows, history=None, *, prev=None, logprobs=True, needs=None, max_logprobs=M):
+def sample(logits, rows, history=None, *, prev=None, prev_burst=None, logprobs=True, needs=None, max_logprobs=M):
     """Tokens and logprobs (None when not asked) as the executor runs the programs. needs:
-    default what the rows need, as the packer decides; a caller may switch on more. prev: the
-    previous step's tokens that history placeholders stand for (default zeros)."""
+    default what the rows need, as the packer decides; a caller may switch on more. prev and
+    prev_burst: the previous step's tokens that history placeholders stand for (default zeros)."""
     slots = max(SLOTS, len(rows))
     p = programs(max_logprobs, slots)
     logits = np.asarray(logits, np.float32)
@@ -47,7 +47,7 @@ def sample(logits, rows, history=None, *, prev=None, logprobs=True, needs=None, 
         history = np.full((len(rows), W), -1, np.int32)
     prev = np.zeros(slots, np.int32) if prev is None else np.asarray(prev, np.int32)
     tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history, prev,
-                             needs)
+                             np.zeros((2, slots), np.int32) if prev_burst is None else prev_burst, needs)
     tokens = np.asarray(tokens)
     assert tokens.shape == (slots,) and not tokens[len(rows):].any()  # padding rows are 0
     return tokens[: len(rows)], None if lp is None else jax.tree.map(np.asarray, lp)

@@ -18,7 +18,8 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
-from runtime.sampling import SamplingNeeds, empty_rows, history_placeholder, put_request_rows, sampling_rows
+from runtime.sampling import (SamplingNeeds, burst_history_placeholder, empty_rows, history_placeholder, put_request_rows,
+                              sampling_rows)
 from runtime.scheduler import ScheduledSeq, StepPlan
 from runtime.step import BatchPacker, SeqSampling, StepLayout, make_burst_fn, make_model_fn
 from sharding.rules import kv_cache_sharding
@@ -77,7 +78,7 @@ def test_packer_marks_the_in_flight_token_in_penalty_histories():
     history_placeholder of it as its history's last entry; the penalize program reads it from the
     previous step's tokens on the device."""
     packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB,
-                         select_bucket=BucketTable((4, 16), (2, 4)).select)
+                         select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
     s = SeqSampling.create(SamplingParams(repetition_penalty=1.2), 0, [4, 5, 6], eos_ids=[2], history_len=W)
     s.append(11)  # an output the host has seen
     ahead = packer.pack(plan_of(seq("a", [-(3 + 1)], 4, [7], prefill=False)), {"a": s}.__getitem__)
@@ -85,11 +86,17 @@ def test_packer_marks_the_in_flight_token_in_penalty_histories():
     assert history_placeholder(-4) == -5  # clear of the -1 padding
     known = packer.pack(plan_of(seq("a", [12], 4, [7], prefill=False)), {"a": s}.__getitem__)
     np.testing.assert_array_equal(known.history[0, :5], [4, 5, 6, 11, -1])  # nothing in flight: as kept
+    # After a burst of 3 in which it was row 2, all 3 of its tokens are on the device only: the next
+    # step samples index 7 and the history holds a placeholder for each (burst_history_placeholder)
+    after = packer.pack(plan_of(seq("a", [-(2 + 1)], 6, [7], prefill=False)), {"a": s}.__getitem__)
+    want = [burst_history_placeholder(-3, j, 4) for j in range(3)]
+    np.testing.assert_array_equal(after.history[0, :8], [4, 5, 6, 11, *want, -1])
+    assert want == [-(2 + 4 * (j + 1) + 2) for j in range(3)] and min(want) > -(2 + 4 * 4)
 
 
 def test_packer_lays_out_plan_and_padding():
     packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB,
-                         select_bucket=BucketTable((4, 16), (2, 4)).select)
+                         select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
     greedy = SeqSampling.create(SamplingParams(temperature=0.0), 0, [1, 2], eos_ids=[2], history_len=W)
     fancy = SeqSampling.create(
         SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=2,
@@ -170,8 +177,9 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
                            b.attn.num_seqs, b.logits_indices])
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10))(
-        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, layout, treedef, K, "greedy", False)
+    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11))(
+        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, None, layout, treedef, K, "greedy",
+        False)
     out = np.asarray(out)
     fed = 42
     for j in range(K):
@@ -186,9 +194,10 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
 def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     """A stand-in model whose logits rank ids 0 < 1 < 2 ... every step. Row 0 has a frequency
     penalty larger than the spread, so each step must take the best id it has not output yet: its
-    history holds the prompt [5] and outputs [0, placeholder for prev's row 1 = 1]; the burst's own
-    tokens count from the step after they are sampled. Row 1 (no penalties) has id 0 banned below
-    index 7 and samples indices 4-8 (kv_len 4): the ban holds for 3 steps and is lifted for 2."""
+    history holds the prompt [5] and outputs [0, then the previous step's tokens of its row 1, a
+    burst of 2: placeholders for 1 and 3]; the burst's own tokens count from the step after they are
+    sampled. Row 1 (no penalties) has id 0 banned below index 7 and samples indices 4-8 (kv_len 4):
+    the ban holds for 3 steps and is lifted for 2."""
     S, V, K = 2, 16, 5
     ranked = jnp.asarray(0.1 * (V - np.arange(V)), jnp.float32)  # a spread of 1.6 < the penalty
 
@@ -198,8 +207,8 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     layout = StepLayout(T=2, S=S, P=2)
     b = layout.unflatten(np.zeros(layout.size, np.int32))
     b.tokens[:] = [-2, 3]
-    b.positions[:] = [3, 3]
-    b.attn.kv_lens[:] = [4, 4]
+    b.positions[:] = [4, 3]
+    b.attn.kv_lens[:] = [5, 4]
     b.attn.cu_q_lens[:] = [0, 1, 2]
     b.attn.num_seqs[0] = 2
     b.logits_indices[:] = [0, 1]
@@ -210,18 +219,19 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     rows = empty_rows(S, NB)
     put_request_rows(rows, [0, 1], [penalized.row, banning.row])
     sb = sampling_rows(rows)
-    sb.positions[:] = [3, 4]
+    sb.positions[:] = [4, 4]
     sb.banned[1, 0] = 0  # index 4 < ban_before 3 + 4: the packer bans it
     history = np.full((S, W), -1, np.int32)
-    history[0, :3] = [5, 0, history_placeholder(-2)]
-    prev = np.array([9, 1, 0], np.int32)
+    history[0, :4] = [5, 0, burst_history_placeholder(-2, 0, 3), burst_history_placeholder(-2, 1, 3)]
+    prev = np.array([9, 3, 0], np.int32)  # slots 3; row 1's last token is prev_burst[1, 1]
+    prev_burst = np.array([[9, 1, 0], [9, 3, 0]], np.int32)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((2, 4, 2, 8), np.float32),)
-    burst = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10))
+    burst = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11))
     for sampler in ("greedy", "pick"):
-        out, _, _ = burst(leaves, kv, flat, rows, prev, history, layout, treedef, K, sampler, True)
+        out, _, _ = burst(leaves, kv, flat, rows, prev, history, prev_burst, layout, treedef, K, sampler, True)
         out = np.asarray(out)[:, :S]
-        np.testing.assert_array_equal(out[:, 0], [2, 3, 4, 5, 6], err_msg=sampler)
+        np.testing.assert_array_equal(out[:, 0], [2, 4, 5, 6, 7], err_msg=sampler)
         np.testing.assert_array_equal(out[:, 1], [1, 1, 1, 0, 0], err_msg=sampler)
 
 
@@ -235,7 +245,7 @@ def executor(tiny_model):
     m = tiny_model
     kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh), fill=float("nan"))
     table = BucketTable((16, 32), (2,))
-    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select)
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select, slots=2)
     ex = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh, table=table,
                       empty_batch=packer.empty, vocab_size=m.config.vocab_size, max_logprobs=5, strict=True)
     ex.warmup(progress=False)
