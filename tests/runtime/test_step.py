@@ -155,6 +155,19 @@ def test_ignore_eos_keeps_eos_unbanned():
     assert s.stop_ids.tolist() == [5]
 
 
+def decode_batch(P, *, tokens, positions, kv_lens, num_seqs):
+    """A packed batch of one decode token per slot (T = S = len(tokens)), the first num_seqs live:
+    its layout and flat buffer, no pages."""
+    layout = StepLayout(T=len(tokens), S=len(tokens), P=P)
+    flat = np.zeros(layout.size, np.int32)
+    b = layout.unflatten(flat)  # views into flat
+    b.tokens[:], b.positions[:], b.attn.kv_lens[:] = tokens, positions, kv_lens
+    b.attn.cu_q_lens[:] = np.minimum(np.arange(len(tokens) + 1), num_seqs)
+    b.attn.num_seqs[0] = num_seqs
+    b.logits_indices[:] = np.arange(len(tokens))
+    return layout, flat
+
+
 def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     """A stand-in model whose greedy token encodes what it was given (position, kv_len, input
     token): step j sees position + j and kv_len + j, both held at the page table's last position,
@@ -165,16 +178,8 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
         code = positions * 10_000 + attn.kv_lens[: tokens.shape[0]] * 100 + tokens % 100
         return jax.nn.one_hot(code[logits_indices], 200_000), kv_pages
 
-    layout = StepLayout(T=2, S=2, P=P)
-    b = layout.unflatten(np.zeros(layout.size, np.int32))
-    b.tokens[:] = [-1, 0]  # the input token is row 0 of the previous step's tokens
-    b.positions[:] = [9, 0]
-    b.attn.kv_lens[:] = [10, 0]
-    b.attn.cu_q_lens[:] = [0, 1, 1]
-    b.attn.num_seqs[0] = 1
-    b.logits_indices[:] = [0, 1]
-    flat = np.concatenate([b.tokens, b.positions, b.attn.kv_lens, b.attn.page_indices.ravel(), b.attn.cu_q_lens,
-                           b.attn.num_seqs, b.logits_indices])
+    # the input token is row 0 of the previous step's tokens
+    layout, flat = decode_batch(P, tokens=[-1, 0], positions=[9, 0], kv_lens=[10, 0], num_seqs=1)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
     out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11))(
@@ -204,16 +209,7 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     def forward(params, tokens, positions, kv_pages, attn, logits_indices):
         return jnp.broadcast_to(ranked, (logits_indices.shape[0], V)), kv_pages
 
-    layout = StepLayout(T=2, S=S, P=2)
-    b = layout.unflatten(np.zeros(layout.size, np.int32))
-    b.tokens[:] = [-2, 3]
-    b.positions[:] = [4, 3]
-    b.attn.kv_lens[:] = [5, 4]
-    b.attn.cu_q_lens[:] = [0, 1, 2]
-    b.attn.num_seqs[0] = 2
-    b.logits_indices[:] = [0, 1]
-    flat = np.concatenate([b.tokens, b.positions, b.attn.kv_lens, b.attn.page_indices.ravel(), b.attn.cu_q_lens,
-                           b.attn.num_seqs, b.logits_indices])
+    layout, flat = decode_batch(2, tokens=[-2, 3], positions=[4, 3], kv_lens=[5, 4], num_seqs=S)
     penalized = SeqSampling.create(SamplingParams(temperature=0.0, frequency_penalty=2.0), 0, [5], [], W)
     banning = SeqSampling.create(SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[0]), 0, [7, 7, 7], [], W)
     rows = empty_rows(S, NB)
