@@ -197,7 +197,7 @@ class Engine:
             make_model_fn(model.forward), params=model.params, kv_pages=self.kv_pages, mesh=model.mesh,
             table=self.buckets, empty_batch=self.packer.empty, vocab_size=cfg.vocab_size,
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
-            burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
+            burst_fn=make_burst_fn(model.forward, cfg.vocab_size) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps,
         )
         self._watcher = CompileWatcher()

@@ -133,10 +133,10 @@ def _build_model_fn(forward: Callable) -> Callable:
 BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 
 
-def make_burst_fn(forward: Callable) -> Callable:
+def make_burst_fn(forward: Callable, vocab_size: int) -> Callable:
     """burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout, treedef, steps,
-    sampler, penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps` decode
-    steps in one program (StepPlan.num_steps). The packed batch is its first model step, one token
+    sampler, penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps`
+    decode steps in one program (StepPlan.num_steps), for a forward of logits f32[S, vocab_size]. The packed batch is its first model step, one token
     per sequence; model step j feeds each sequence the token it sampled at step j - 1, at position
     + j with kv_len + j (its pages cover the whole burst; both stop at the end of the page table),
     and samples with the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where
@@ -145,15 +145,15 @@ def make_burst_fn(forward: Callable) -> Callable:
     program. With `penalties`, `history` i32[S, W] and `prev_burst` are the penalize program's
     inputs for the first step (placeholders standing for prev's or prev_burst's tokens); the counts
     they give are carried through the burst, each step's tokens added, and every step penalizes as
-    that program does. Without, both are None. No logprobs: the packer never makes a burst of rows that ask for them. `last`
-    is the final model step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA
-    runs it without reading anything back to the host (runtime/sampling.py). Jit it with kv_pages
-    donated and layout, treedef, steps, sampler, penalties static; one function object per forward,
-    as make_model_fn."""
-    return _cached(forward, "_xlaserve_burst_fn", _build_burst_fn)
+    that program does. Without, both are None. No logprobs: the packer never makes a burst of rows
+    that ask for them. `last` is the final model step's tokens, the next step's `prev`. A fori_loop
+    of static trip count: XLA runs it without reading anything back to the host
+    (runtime/sampling.py). Jit it with kv_pages donated and layout, treedef, steps, sampler,
+    penalties static; one function object per forward, as make_model_fn."""
+    return _cached(forward, "_xlaserve_burst_fn", lambda f: _build_burst_fn(f, vocab_size))
 
 
-def _build_burst_fn(forward: Callable) -> Callable:
+def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
     def burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout: StepLayout, treedef, steps: int,
               sampler: str, penalties: bool):
         params = treedef.unflatten(param_leaves)
@@ -172,10 +172,11 @@ def _build_burst_fn(forward: Callable) -> Callable:
             logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
             logits = logits.astype(jnp.float32)
             rows_j = advance_rows(rows, j)
+            b_j = sampling_rows(rows_j)
             if penalties:
-                logits = apply_penalties(logits, sampling_rows(rows_j), counts)
+                logits = apply_penalties(logits, b_j, counts)
             if sampler == "greedy":
-                t = pad_slots(greedy(logits, sampling_rows(rows_j).banned), slots)
+                t = pad_slots(greedy(logits, b_j.banned), slots)
             else:
                 t = pick(logits, rows_j, filters=sampler == "pick_filtered", slots=slots)
             if penalties:
@@ -183,9 +184,8 @@ def _build_burst_fn(forward: Callable) -> Callable:
             return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts
 
         counts = None
-        if penalties:  # the counts of the first step's history, for V = the logits' width
-            vocab = jax.eval_shape(forward, params, b.tokens, b.positions, kv_pages, b.attn, b.logits_indices)[0].shape[1]
-            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab)
+        if penalties:  # the counts of the first step's history
+            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab_size)
         init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts)
         kv_pages, _, out, last, _ = jax.lax.fori_loop(0, steps, step, init)
         return out, last, kv_pages

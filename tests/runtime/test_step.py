@@ -182,7 +182,7 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     layout, flat = decode_batch(P, tokens=[-1, 0], positions=[9, 0], kv_lens=[10, 0], num_seqs=1)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _ = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11))(
+    out, last, _ = jax.jit(make_burst_fn(forward, 200_000), static_argnums=(7, 8, 9, 10, 11))(
         leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, None, layout, treedef, K, "greedy",
         False)
     out = np.asarray(out)
@@ -223,7 +223,7 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     prev_burst = np.array([[9, 1, 0], [9, 3, 0]], np.int32)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((2, 4, 2, 8), np.float32),)
-    burst = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11))
+    burst = jax.jit(make_burst_fn(forward, V), static_argnums=(7, 8, 9, 10, 11))
     for sampler in ("greedy", "pick"):
         out, _, _ = burst(leaves, kv, flat, rows, prev, history, prev_burst, layout, treedef, K, sampler, True)
         out = np.asarray(out)[:, :S]
