@@ -6,8 +6,11 @@ pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some
 n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S bucket (the previous
 bucket + 1) is <= T; unreachable pairs are skipped. With EngineConfig.decode_steps K > 1, the burst
 programs too (K decode steps in one program, runtime/step.py:make_burst_fn), per decode pair (the
-bucket of a step of n sequences with one token each), sampler (greedy, pick, pick_filtered) and
-penalties (without, with).
+bucket of a step of n sequences with one token each) and sampler (greedy, pick, pick_filtered), in
+three variants: plain, with penalties, and with penalties and logprobs. A burst with logprobs but no
+penalized row runs the third with an empty penalty history: neutral penalties are exact
+identities (runtime/sampling.py), and a fourth variant per sampler would lengthen warmup for
+nothing.
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -40,6 +43,11 @@ from runtime.step import BURST_SAMPLERS, PackedBatch
 logger = logging.getLogger(__name__)
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch
+
+
+# The (penalties, logprobs) variants of the burst programs: a burst with logprobs always takes the
+# penalties' inputs (an all -1 history when no row has penalties) rather than doubling the variants.
+_BURST_VARIANTS = ((False, False), (True, False), (True, True))
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -169,10 +177,12 @@ class StepExecutor:
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(7, 8, 9, 10, 11),  # layout, params treedef, steps, sampler, penalties
+            static_argnums=(7, 8, 9, 10, 11, 12),  # layout, params treedef, steps, sampler, penalties, max_logprobs
             in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep, rep),
-            out_shardings=(rep, rep, kv_sharding),
+            out_shardings=(rep, rep, kv_sharding, rep),
         )
+        self.max_logprobs = max_logprobs
+        self._empty_histories: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1: logprob bursts without penalties
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
         self.slots = table.seq_buckets[-1]
         self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
@@ -195,13 +205,13 @@ class StepExecutor:
     def program_keys(self) -> list[tuple]:
         """Every program of the table: the model program per (T, S) pair, the sampler programs per
         seq bucket, then with decode_steps > 1 the burst programs per decode pair, sampler and
-        penalties (without, with)."""
+        (penalties, logprobs) variant (see the module docstring)."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
         keys += [(name, S) for S in seq_buckets for name in self._samplers]
         if self.decode_steps > 1:
-            keys += [("burst", T, S, sampler, penalties) for T, S in self.table.decode_pairs()
-                     for sampler in BURST_SAMPLERS for penalties in (False, True)]
+            keys += [("burst", T, S, sampler, penalties, logprobs) for T, S in self.table.decode_pairs()
+                     for sampler in BURST_SAMPLERS for penalties, logprobs in _BURST_VARIANTS]
         return keys
 
     def _abstract(self, a) -> jax.ShapeDtypeStruct:
@@ -214,8 +224,10 @@ class StepExecutor:
             args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
                     self._abstract(self._no_prev), b.layout, self._param_treedef)
             if key[0] == "burst":
-                hist = (self._abstract(b.history), self._abstract(self._no_prev_burst)) if key[4] else (None, None)
-                return self._burst.lower(*args[:5], *hist, *args[5:], self.decode_steps, *key[3:])
+                sampler, penalties, logprobs = key[3:]
+                hist = (self._abstract(b.history), self._abstract(self._no_prev_burst)) if penalties else (None, None)
+                return self._burst.lower(*args[:5], *hist, *args[5:], self.decode_steps, sampler, penalties,
+                                         self.max_logprobs if logprobs else None)
             return self._model.lower(*args)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
@@ -252,7 +264,8 @@ class StepExecutor:
             if key[0] == "model":
                 what = f"model program (T={key[1]}, S={key[2]})"
             elif key[0] == "burst":
-                what = f"burst program (T={key[1]}, S={key[2]}, {key[3]}{', penalties' if key[4] else ''})"
+                what = (f"burst program (T={key[1]}, S={key[2]}, {key[3]}{', penalties' if key[4] else ''}"
+                        f"{', logprobs' if key[5] else ''})")
             else:
                 what = f"{key[0]} program (S={key[1]})"
             msg = f"{what} was not compiled at warmup; compiling it now while serving"
@@ -268,7 +281,8 @@ class StepExecutor:
         """Dispatch one step: the model program, then the sampler programs `batch.needs` asks for
         (runtime/sampling.py); or a burst's program (batch.steps > 1). Asynchronous: returns
         (tokens, last, Logprobs or None when no row asked, kv_pages) as futures at once; tokens is
-        i32[slots], or i32[K, slots] for a burst, and `last` i32[slots] the final model step's (the
+        i32[slots], or i32[K, slots] for a burst (its Logprobs' fields then have a leading [K] axis
+        too), and `last` i32[slots] the final model step's (the
         next call's `prev_tokens`, which its input tokens -(i + 1) stand for: lookahead,
         runtime/engine.py). After a burst, `prev_burst` is its tokens (what the penalty histories'
         burst placeholders stand for)."""
@@ -278,14 +292,16 @@ class StepExecutor:
         prev_burst = self._no_prev_burst if prev_burst is None else prev_burst
         if batch.steps > 1:
             needs = batch.needs
-            if batch.steps != self.decode_steps or needs.logprobs:
-                raise ValueError(f"a burst of {batch.steps} steps with {needs} cannot run here (decode_steps "
-                                 f"{self.decode_steps}; bursts have no logprobs)")
+            if batch.steps != self.decode_steps:
+                raise ValueError(f"a burst of {batch.steps} steps cannot run here (decode_steps {self.decode_steps})")
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
-            burst = self._executable(("burst", T, S, sampler, needs.penalties))
-            hist = (batch.history, prev_burst) if needs.penalties else (None, None)
-            tokens, last, kv_pages = burst(leaves, kv_pages, batch.flat, batch.rows, prev, *hist)
-            return tokens, last, None, kv_pages
+            penalties = needs.penalties or needs.logprobs  # see _BURST_VARIANTS
+            burst = self._executable(("burst", T, S, sampler, penalties, needs.logprobs))
+            hist = (None, None)
+            if penalties:
+                hist = (self._empty_history(S) if batch.history is None else batch.history, prev_burst)
+            tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, *hist)
+            return tokens, last, logprobs, kv_pages
         model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
@@ -293,6 +309,13 @@ class StepExecutor:
         tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy,
                                        batch.rows, batch.history, prev, prev_burst, batch.needs)
         return tokens, tokens, logprobs, kv_pages
+
+    def _empty_history(self, S: int) -> jax.Array:
+        """The penalty history of S rows without penalties (all -1), kept on the device."""
+        h = self._empty_histories.get(S)
+        if h is None:
+            h = self._empty_histories[S] = jax.device_put(self._empty_batch(S, S).history, self._batch_sharding)
+        return h
 
     @property
     def compiled_buckets(self) -> list[tuple[int, int]]:

@@ -31,7 +31,8 @@ one dispatch of a burst program that returns i32[K, slots] tokens and its last s
 as the next step's `prev`; the host resolves all K at once, so its work above is paid once per K
 tokens. Penalties run inside a burst too (the counts of the rows' tokens stay on the device); the
 step after a burst gets its i32[K, slots] tokens as well, for the K placeholders in each penalized
-row's history (runtime/sampling.py, burst_history_placeholder).
+row's history (runtime/sampling.py, burst_history_placeholder). So do logprobs: the burst returns
+them for all K steps ([K, S] and [K, S, max_logprobs]).
 
 A stop string is matched late (after steps k+1 and k+2 were dispatched): the request then wastes
 up to two tokens, which the scheduler discards (it skips requests that finished after the plan
@@ -371,10 +372,11 @@ class Engine:
         n = plan.num_seqs
         sampled = np.asarray(tokens)[..., :n]  # blocks until the device has run the step; [K, n] for a burst
         lp = None
-        if logprobs is not None:  # some row asked (the step ran the logprobs program)
-            lp = (np.asarray(logprobs.sampled)[:n], np.asarray(logprobs.top_ids)[:n],
-                  np.asarray(logprobs.top_logprobs)[:n])
+        if logprobs is not None:  # some row asked (the step ran the logprobs program, or a burst computed them)
+            # each field [K, n, ...]: a burst's have the leading [K] axis, a single step's get one
+            lp = [(np.asarray(a) if plan.num_steps > 1 else np.asarray(a)[None])[:, :n] for a in logprobs]
             rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
+            taken: dict[str, int] = {}  # a request's updates come in step order: the j-th is model step j's
         for u in self.scheduler.resolve(sampled):
             seq = self._seqs.get(u.request_id)
             if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
@@ -383,8 +385,9 @@ class Engine:
             row = None
             if lp is not None and seq.logprobs is not None:
                 i, k = rows[u.request_id], seq.group.params.logprobs
-                row = {u.token_id: float(lp[0][i])}
-                for t, v in zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist()):
+                j = taken[u.request_id] = taken.get(u.request_id, -1) + 1
+                row = {u.token_id: float(lp[0][j, i])}
+                for t, v in zip(lp[1][j, i, :k].tolist(), lp[2][j, i, :k].tolist()):
                     row.setdefault(t, v)
             self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
             self._counts["generated"] += 1

@@ -329,7 +329,7 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> ja
     return pad_slots(jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32)), slots)
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logprobs:
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logprobs:
     """Raw logits f32[S, V], tokens i32[slots] (rows past S are padding) -> the tokens' logprobs
     and the top max_logprobs."""
     S = logits.shape[0]
@@ -358,7 +358,7 @@ def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]
                                    ("logits", "rows", "history", "prev", "prev_burst")),
         "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
         "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
-        "logprobs": SamplerProgram(functools.partial(logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
+        "logprobs": SamplerProgram(functools.partial(sampled_logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
     }
 
 

@@ -549,9 +549,8 @@ class Scheduler:
 
     def _burst_length(self) -> int:
         """K when the next step can be a burst (SchedulerConfig.decode_steps), else 1: nothing waits
-        (a burst would delay its admission by K steps), every running request decodes and needs no
-        host work between tokens (logprobs: a row per token), and the pages for K more
-        positions are free without preempting anyone. A request with fewer than K tokens left under
+        (a burst would delay its admission by K steps), every running request decodes, and the pages
+        for K more positions are free without preempting anyone. A request with fewer than K tokens left under
         max_tokens runs the whole burst; its tokens past max_tokens are dropped. Their K/V goes to
         pages it holds until it finishes, at positions that stop at the end of its page table (the
         burst program clamps them there: runtime/step.py), past any position it ever computes."""
@@ -560,8 +559,7 @@ class Scheduler:
             return 1
         G, need, capacity = self.config.page_size, 0, self.config.max_positions
         for req in self._running:
-            p = req.sampling_params
-            if req.is_prefill or p.logprobs is not None:
+            if req.is_prefill:
                 return 1
             need += _cdiv(min(req.num_computed_tokens + K, capacity), G) - len(req.pages)
         return K if need <= self.allocator.num_available else 1

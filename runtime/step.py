@@ -30,9 +30,10 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, burst_history_placeholder,
-                              count_sampled, empty_rows, greedy, history_placeholder, pad_slots, penalty_counts, pick,
-                              put_request_rows, request_row, resolve_history, sampling_rows, split_seed)
+from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_rows, apply_penalties,
+                              burst_history_placeholder, count_sampled, empty_rows, greedy, history_placeholder,
+                              pad_slots, penalty_counts, pick, put_request_rows, request_row, resolve_history,
+                              sampled_logprobs, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -135,27 +136,30 @@ BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 
 def make_burst_fn(forward: Callable, vocab_size: int) -> Callable:
     """burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout, treedef, steps,
-    sampler, penalties) -> (tokens i32[steps, slots], last i32[slots], kv_pages): a burst of `steps`
-    decode steps in one program (StepPlan.num_steps), for a forward of logits f32[S, vocab_size]. The packed batch is its first model step, one token
-    per sequence; model step j feeds each sequence the token it sampled at step j - 1, at position
-    + j with kv_len + j (its pages cover the whole burst; both stop at the end of the page table),
-    and samples with the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where
-    met), so each token is what a single step at that position would give: the same model program
-    body and, per `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick
-    program. With `penalties`, `history` i32[S, W] and `prev_burst` are the penalize program's
-    inputs for the first step (placeholders standing for prev's or prev_burst's tokens); the counts
-    they give are carried through the burst, each step's tokens added, and every step penalizes as
-    that program does. Without, both are None. No logprobs: the packer never makes a burst of rows
-    that ask for them. `last` is the final model step's tokens, the next step's `prev`. A fori_loop
-    of static trip count: XLA runs it without reading anything back to the host
-    (runtime/sampling.py). Jit it with kv_pages donated and layout, treedef, steps, sampler,
-    penalties static; one function object per forward, as make_model_fn."""
+    sampler, penalties, max_logprobs) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
+    a burst of `steps` decode steps in one program (StepPlan.num_steps), for a forward of logits
+    f32[S, vocab_size]. The packed batch is its first model step, one token per sequence; model
+    step j feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j
+    (its pages cover the whole burst; both stop at the end of the page table), and samples with
+    the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where met), so each
+    token is what a single step at that position would give: the same model program body and, per
+    `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program. With
+    `penalties`, `history` i32[S, W] and `prev_burst` are the penalize program's inputs for the
+    first step (placeholders standing for prev's or prev_burst's tokens); the counts they give are
+    carried through the burst, each step's tokens added, and every step penalizes as that program
+    does. Without, both are None. With `max_logprobs` (an int, not None), `logprobs` is the
+    logprobs program's output for every step (runtime/sampling.Logprobs with a leading [steps]
+    axis: of the raw logits, for the tokens the step sampled); else None. `last` is the final model
+    step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA runs it without
+    reading anything back to the host (runtime/sampling.py). Jit it with kv_pages donated and
+    layout, treedef, steps, sampler, penalties, max_logprobs static; one function object per
+    forward, as make_model_fn."""
     return _cached(forward, "_xlaserve_burst_fn", lambda f: _build_burst_fn(f, vocab_size))
 
 
 def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
     def burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout: StepLayout, treedef, steps: int,
-              sampler: str, penalties: bool):
+              sampler: str, penalties: bool, max_logprobs: int | None):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
         slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
@@ -166,11 +170,11 @@ def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
         last_pos = layout.P * kv_pages[0].shape[1] - 1
 
         def step(j, carry):
-            kv_pages, tokens, out, _, counts = carry
+            kv_pages, tokens, out, _, counts, lps = carry
             attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
             positions = jnp.minimum(b.positions + j, last_pos)
             logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
-            logits = logits.astype(jnp.float32)
+            raw = logits = logits.astype(jnp.float32)
             rows_j = advance_rows(rows, j)
             b_j = sampling_rows(rows_j)
             if penalties:
@@ -181,14 +185,22 @@ def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
                 t = pick(logits, rows_j, filters=sampler == "pick_filtered", slots=slots)
             if penalties:
                 counts = count_sampled(counts, t)
-            return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts
+            if max_logprobs is not None:
+                lps = jax.tree.map(lambda acc, x: acc.at[j].set(x), lps,
+                                   sampled_logprobs(raw, t, max_logprobs=max_logprobs))
+            return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts, lps
 
         counts = None
         if penalties:  # the counts of the first step's history
             counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab_size)
-        init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts)
-        kv_pages, _, out, last, _ = jax.lax.fori_loop(0, steps, step, init)
-        return out, last, kv_pages
+        lps = None
+        if max_logprobs is not None:
+            S = layout.S
+            lps = Logprobs(jnp.zeros((steps, S), jnp.float32), jnp.zeros((steps, S, max_logprobs), jnp.int32),
+                           jnp.zeros((steps, S, max_logprobs), jnp.float32))
+        init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts, lps)
+        kv_pages, _, out, last, _, lps = jax.lax.fori_loop(0, steps, step, init)
+        return out, last, kv_pages, lps
 
     return burst
 

@@ -10,7 +10,8 @@ Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded), `-
 each, greedy, EOS ignored (every request generates exactly output-len tokens; checked). Optional
 penalties: `--repetition-penalty` on both sides (HF's `repetition_penalty` is the same
 definition), `--presence-penalty` / `--frequency-penalty` on xlaserve only (HF generate has no
-such option: run them with `--skip hf`).
+such option: run them with `--skip hf`). `--logprobs N` (xlaserve only, with `--skip hf`) asks every
+request for its tokens' logprobs and the top N; each output is checked to carry them.
 
 `--repeats N` (default 3) times the workload N times on each side, with fresh random prompts each
 time (seeds `--seed`, +2, +4, ...; the same prompts on both sides), and reports the median run and
@@ -104,7 +105,7 @@ def run_xla(args) -> dict:
     st1 = eng.stats()
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
     walls, bad = [], []
     for r in range(args.repeats):
         prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r))
@@ -112,7 +113,9 @@ def run_xla(args) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        bad += [(r, i) for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len]
+        bad += [(r, i) for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len
+                or (args.logprobs is not None and (len(o.outputs[0].logprobs) != args.output_len
+                                                   or min(map(len, o.outputs[0].logprobs)) < args.logprobs))]
         eng.check_invariants()
     st2 = eng.stats()
     dev = jax.devices()[0]
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="both sides")
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
+    ap.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token; xlaserve only (needs --skip hf)")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
@@ -266,6 +270,8 @@ def main() -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if (args.presence_penalty or args.frequency_penalty) and "hf" not in args.skip:
         ap.error("HF generate has no presence or frequency penalty: add --skip hf")
+    if args.logprobs is not None and "hf" not in args.skip:
+        ap.error("--logprobs is measured on xlaserve only: add --skip hf")
     if args.child:
         res = run_xla(args) if args.child == "xla" else run_hf(args)
         Path(args.child_out).write_text(json.dumps(res, indent=1))
@@ -276,7 +282,7 @@ def main() -> None:
               "workload": {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "greedy": True, "ignore_eos": True,
                            "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
-                           "frequency_penalty": args.frequency_penalty}}
+                           "frequency_penalty": args.frequency_penalty, "logprobs": args.logprobs}}
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("xla", "hf"):
             if side in args.skip:
@@ -299,7 +305,7 @@ def main() -> None:
     w = result["workload"]
     print(f"\ncommit {result['commit']}  {result['date']}  {command}")
     penalties = "".join(f", {k} {w[k]}" for k, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                                                         ("frequency_penalty", 0.0)) if w[k] != off)
+                                                         ("frequency_penalty", 0.0), ("logprobs", None)) if w[k] != off)
     print(f"workload: {w['model']} bf16 random weights, {w['num_prompts']} prompts x {w['input_len']} in / "
           f"{w['output_len']} out, greedy, ignore_eos{penalties}")
     print(f"median of {args.repeats} timed run(s) per side; output tok/s range over the runs in brackets")

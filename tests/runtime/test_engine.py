@@ -74,11 +74,23 @@ def test_random_model_batch_and_preemption_equal_alone():
         e.close()
 
 
-def test_bursts_with_penalties_and_min_tokens_equal_single_steps():
-    """Penalties and min_tokens bans inside decode bursts (4 model steps per program) give the
-    tokens single steps give, alone and in a random-arrival batch: consecutive bursts of penalized
-    rows (the host resolves each before it packs the next), greedy and seeded random, and min_tokens
-    bans held and lifted inside a burst. Runs without the shared checkpoint."""
+def assert_same_logprobs(got, want, rid):
+    """Per-token logprob rows: the same ids, values equal up to float reassociation."""
+    assert (got is None) == (want is None), rid
+    if want is None:
+        return
+    assert len(got) == len(want), rid
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == list(w), (rid, j)
+        np.testing.assert_allclose(list(g.values()), list(w.values()), rtol=1e-5, atol=1e-5, err_msg=f"{rid} {j}")
+
+
+def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps():
+    """Penalties, min_tokens bans and logprobs inside decode bursts (4 model steps per program)
+    give the tokens and logprobs single steps give, alone and in a random-arrival batch: consecutive
+    bursts of penalized rows (the host resolves each before it packs the next), greedy and seeded
+    random, logprobs with and without penalties in the burst, and min_tokens bans held and lifted
+    inside a burst. Runs without the shared checkpoint."""
     model = scaled_dummy()
     cfg = {**BASE, "seq_buckets": (8,)}
     single, bursts = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(**cfg, decode_steps=4))
@@ -86,21 +98,28 @@ def test_bursts_with_penalties_and_min_tokens_equal_single_steps():
         rng = np.random.default_rng()
         kinds = [dict(temperature=0.0, repetition_penalty=1.8), dict(temperature=0.0, frequency_penalty=2.0),
                  dict(temperature=1.0, presence_penalty=2.0, top_k=20),
-                 dict(temperature=0.8, frequency_penalty=1.5, presence_penalty=0.5), dict(temperature=0.0)]
+                 dict(temperature=0.8, frequency_penalty=1.5, presence_penalty=0.5), dict(temperature=0.0),
+                 dict(temperature=0.0, logprobs=3), dict(temperature=0.9, top_p=0.8, logprobs=0),
+                 dict(temperature=0.0, repetition_penalty=1.5, logprobs=2)]
         reqs = [(f"p{i}", rng.integers(0, 256, int(rng.integers(4, 30))).tolist(),
                  SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=int(rng.integers(12, 40)),
-                                **kinds[i % len(kinds)])) for i in range(10)]
-        want = {rid: run_one(single, prompt, params).outputs[0].token_ids for rid, prompt, params in reqs}
+                                **kinds[i % len(kinds)])) for i in range(16)]
+        want = {rid: run_one(single, prompt, params).outputs[0] for rid, prompt, params in reqs}
         before = bursts.stats().num_bursts
         for results in ({rid: run_one(bursts, prompt, params) for rid, prompt, params in reqs},
                         run_workload(bursts, reqs)):
-            for rid, tokens in want.items():
-                assert results[rid].outputs[0].token_ids == tokens, rid
-        assert bursts.stats().num_bursts > before + 10
+            for rid, out in want.items():
+                assert results[rid].outputs[0].token_ids == out.token_ids, rid
+                assert_same_logprobs(results[rid].outputs[0].logprobs, out.logprobs, rid)
+        assert bursts.stats().num_bursts > before + 16
+        before = bursts.stats().num_bursts
+        run_one(bursts, reqs[5][1], reqs[5][2])  # logprobs, no penalties: bursts too
+        assert bursts.stats().num_bursts > before
         # the penalties decide tokens here: without them some greedy ones differ
         plain = [(rid, prompt, replace(params, repetition_penalty=1.0, frequency_penalty=0.0))
                  for rid, prompt, params in reqs if params.temperature == 0.0]
-        assert any(run_one(single, prompt, params).outputs[0].token_ids != want[rid] for rid, prompt, params in plain)
+        assert any(run_one(single, prompt, params).outputs[0].token_ids != want[rid].token_ids
+                   for rid, prompt, params in plain)
 
         # min_tokens: a prompt whose greedy tokens t have t[2] not in t[:2] and t[6] not in t[:6].
         # The prefill samples index 0, bursts 1-4 and 5-8.

@@ -564,14 +564,11 @@ def test_bursts_run_only_plain_decodes_with_room_and_pages():
     assert plan.num_steps == 4 and h.reqs["a"].is_finished and h.reqs["a"].num_output_tokens == 11
     h.check_all_exact()
     h.check_drained()
-    # Requests that ask for logprobs (a row per token on the host) never burst.
-    h = Harness(num_pages=64, page_size=4, decode_steps=4)
-    h.add("p", rand_prompt(rng, 5), SamplingParams(max_tokens=12, logprobs=1))
-    h.run()
-    assert all(p.num_steps == 1 for p in h.plans)
-    # Penalties and min_tokens bans run in bursts (the device counts tokens and lifts bans): the
-    # prefill, then bursts of 4 from the first decode (4 + 4 + 3 of 4 tokens).
-    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.2),
+    # Penalties, min_tokens bans and logprobs run in bursts (the device counts tokens, lifts bans,
+    # returns every step's logprobs): the prefill, then bursts of 4 from the first decode (4 + 4 +
+    # 3 of 4 tokens).
+    for params in (SamplingParams(max_tokens=12, logprobs=1),
+                   SamplingParams(max_tokens=12, repetition_penalty=1.2),
                    SamplingParams(max_tokens=12, frequency_penalty=0.5, presence_penalty=0.5),
                    SamplingParams(max_tokens=12, min_tokens=6, ignore_eos=True)):
         h = Harness(num_pages=64, page_size=4, decode_steps=4)

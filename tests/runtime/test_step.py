@@ -182,9 +182,10 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     layout, flat = decode_batch(P, tokens=[-1, 0], positions=[9, 0], kv_lens=[10, 0], num_seqs=1)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _ = jax.jit(make_burst_fn(forward, 200_000), static_argnums=(7, 8, 9, 10, 11))(
+    out, last, _, lps = jax.jit(make_burst_fn(forward, 200_000), static_argnums=(7, 8, 9, 10, 11, 12))(
         leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, None, layout, treedef, K, "greedy",
-        False)
+        False, None)
+    assert lps is None
     out = np.asarray(out)
     fed = 42
     for j in range(K):
@@ -202,7 +203,8 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     history holds the prompt [5] and outputs [0, then the previous step's tokens of its row 1, a
     burst of 2: placeholders for 1 and 3]; the burst's own tokens count from the step after they are
     sampled. Row 1 (no penalties) has id 0 banned below index 7 and samples indices 4-8 (kv_len 4):
-    the ban holds for 3 steps and is lifted for 2."""
+    the ban holds for 3 steps and is lifted for 2. Each step's logprobs are of the raw logits, for
+    the token it sampled."""
     S, V, K = 2, 16, 5
     ranked = jnp.asarray(0.1 * (V - np.arange(V)), jnp.float32)  # a spread of 1.6 < the penalty
 
@@ -223,12 +225,16 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     prev_burst = np.array([[9, 1, 0], [9, 3, 0]], np.int32)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((2, 4, 2, 8), np.float32),)
-    burst = jax.jit(make_burst_fn(forward, V), static_argnums=(7, 8, 9, 10, 11))
+    burst = jax.jit(make_burst_fn(forward, V), static_argnums=(7, 8, 9, 10, 11, 12))
+    raw = np.asarray(jax.nn.log_softmax(ranked))
     for sampler in ("greedy", "pick"):
-        out, _, _ = burst(leaves, kv, flat, rows, prev, history, prev_burst, layout, treedef, K, sampler, True)
+        out, _, _, lps = burst(leaves, kv, flat, rows, prev, history, prev_burst, layout, treedef, K, sampler, True, 3)
         out = np.asarray(out)[:, :S]
         np.testing.assert_array_equal(out[:, 0], [2, 4, 5, 6, 7], err_msg=sampler)
         np.testing.assert_array_equal(out[:, 1], [1, 1, 1, 0, 0], err_msg=sampler)
+        np.testing.assert_allclose(np.asarray(lps.sampled), raw[out], rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(lps.top_ids), np.broadcast_to([0, 1, 2], (K, S, 3)))
+        np.testing.assert_allclose(np.asarray(lps.top_logprobs), np.broadcast_to(raw[:3], (K, S, 3)), rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
