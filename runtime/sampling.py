@@ -358,7 +358,8 @@ def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]
                                    ("logits", "rows", "history", "prev", "prev_burst")),
         "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
         "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
-        "logprobs": SamplerProgram(functools.partial(sampled_logprobs, max_logprobs=max_logprobs), ("logits", "tokens")),
+        "logprobs": SamplerProgram(functools.partial(sampled_logprobs, max_logprobs=max_logprobs),
+                                   ("logits", "tokens")),
     }
 
 

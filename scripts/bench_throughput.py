@@ -257,7 +257,8 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="both sides")
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="xlaserve only (needs --skip hf)")
-    ap.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token; xlaserve only (needs --skip hf)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="top-n logprobs per token; xlaserve only (needs --skip hf)")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
