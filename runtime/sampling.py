@@ -329,16 +329,65 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> ja
     return pad_slots(jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32)), slots)
 
 
+# Exact top-k on the GPU (H200, jax 0.11.2, rows of 128,256 f32; docs/benchmarks.md): XLA's TopK
+# kernel serves k <= 16 (~270 us at 256 rows for k <= 8, 555 us for 16); above 16 XLA sorts every row
+# (2.2 ms at 256 rows, 1.0 ms at 64). A few rows are latency-bound either way (139 us for one row).
+_TOP_K_STEP = 8  # "split": top-k as top-8 calls, each after masking what the previous took
+_TOP_K_CHUNKS = 128  # "chunked": top-k of each of 128 chunks of a row (short rows sort fast), then of those
+_TOP_K_CHUNKED_ROWS = 32  # up to this many rows "chunked" wins (1 row: 68 us, 8 rows: 122 us); above, "split"
+
+
+def top_k_method(rows: int, width: int, k: int, backend: str) -> str:
+    """How `top_k` computes the top k of f32[rows, width]: "plain" (lax.top_k) but on GPUs, where
+    the measured fastest of "chunked" and "split" (see above); "plain" where k fits XLA's TopK
+    kernel at many rows, or chunks would hold too few entries."""
+    if backend != "gpu" or k == 0:
+        return "plain"
+    if rows <= _TOP_K_CHUNKED_ROWS and width >= 4 * _TOP_K_CHUNKS * k:
+        return "chunked"
+    return "split" if k > _TOP_K_STEP else "plain"
+
+
+def top_k(x: jax.Array, k: int, *, method: str = "plain") -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(x, k) of finite f32[S, V] rows by `method` (top_k_method): the same values and
+    ids in the same order (equal values: the lower id first), however computed. "split" masks
+    what it took with -inf, so a row with -inf among its top k could repeat an id there; the
+    model's raw logits are finite."""
+    if method == "plain":
+        return jax.lax.top_k(x, k)
+    S, V = x.shape
+    if method == "chunked":  # each chunk's top k in id order, then the top k of those: ties stay by id
+        c = _TOP_K_CHUNKS
+        w = -(-V // c)
+        chunks = jnp.pad(x, ((0, 0), (0, c * w - V)), constant_values=-jnp.inf).reshape(S, c, w)
+        vals, ids = jax.lax.top_k(chunks, k)
+        ids = (ids + (jnp.arange(c, dtype=jnp.int32) * w)[None, :, None]).reshape(S, c * k)
+        vals, best = jax.lax.top_k(vals.reshape(S, c * k), k)
+        return vals, jnp.take_along_axis(ids, best, axis=1)
+    if method != "split":
+        raise ValueError(f"top_k method {method!r} must be 'plain', 'chunked' or 'split'")
+    rows = jnp.arange(S, dtype=jnp.int32)[:, None]
+    vals, ids = [], []
+    for start in range(0, k, _TOP_K_STEP):  # each call's entries come after every earlier one's
+        v, i = jax.lax.top_k(x, min(_TOP_K_STEP, k - start))
+        vals.append(v)
+        ids.append(i)
+        if start + _TOP_K_STEP < k:
+            x = x.at[rows, i].set(-jnp.inf)
+    return jnp.concatenate(vals, axis=1), jnp.concatenate(ids, axis=1)
+
+
 def sampled_logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int) -> Logprobs:
     """Raw logits f32[S, V], tokens i32[slots] (rows past S are padding) -> the tokens' logprobs
-    and the top max_logprobs."""
-    S = logits.shape[0]
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    sampled = jnp.take_along_axis(lp, tokens[:S, None], axis=-1)[:, 0]
+    and the top max_logprobs: logits - logsumexp, the top ones found on the logits (the same
+    order; no [S, V] log_softmax written)."""
+    S, V = logits.shape
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    sampled = jnp.take_along_axis(logits, tokens[:S, None], axis=-1)[:, 0] - lse
     if max_logprobs == 0:
         return Logprobs(sampled, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
-    top_lp, top_ids = jax.lax.top_k(lp, max_logprobs)
-    return Logprobs(sampled, top_ids.astype(jnp.int32), top_lp)
+    top, top_ids = top_k(logits, max_logprobs, method=top_k_method(S, V, max_logprobs, jax.default_backend()))
+    return Logprobs(sampled, top_ids.astype(jnp.int32), top - lse[:, None])
 
 
 class SamplerProgram(NamedTuple):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from runtime.sampling import (SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots, run_sampler,
-                              sampler_programs, sampling_rows, split_seed)
+                              sampler_programs, sampling_rows, split_seed, top_k, top_k_method)
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
 SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens are padded to it
@@ -71,6 +71,32 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     np.testing.assert_allclose(lp.sampled, ref[np.arange(S), tokens], atol=1e-5)
     np.testing.assert_array_equal(lp.top_ids, np.argsort(-ref, axis=-1)[:, :M])
     np.testing.assert_allclose(lp.top_logprobs, np.sort(ref, axis=-1)[:, ::-1][:, :M], atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["plain", "chunked", "split"])
+def test_top_k_methods_equal_a_stable_sort(method):
+    """Every way `top_k` computes the top k gives a stable descending sort's first k: the same
+    values and ids in the same order, ties (many here: values on a coarse grid) to the lower id."""
+    rng = np.random.default_rng()
+    x = np.round(rng.normal(size=(3, 5000)) * 2).astype(np.float32)  # ~20 distinct values
+    x[1, 4990:] = 50.0  # a row whose top sits in the last, partly padded chunk
+    for k in (1, 8, 9, 20, 27):
+        vals, ids = jax.jit(top_k, static_argnames=("k", "method"))(x, k=k, method=method)
+        want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(np.asarray(ids), want, err_msg=f"{method} k={k}")
+        np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, axis=-1))
+
+
+def test_top_k_method_choice():
+    """The GPU's measured choices; lax.top_k elsewhere (docs/benchmarks.md)."""
+    assert top_k_method(256, 128_256, 20, "cpu") == "plain"
+    assert top_k_method(256, 128_256, 20, "tpu") == "plain"
+    assert top_k_method(1, 128_256, 20, "gpu") == "chunked"
+    assert top_k_method(32, 128_256, 5, "gpu") == "chunked"
+    assert top_k_method(64, 128_256, 20, "gpu") == "split"
+    assert top_k_method(256, 128_256, 8, "gpu") == "plain"  # XLA's TopK kernel takes k <= 16 at once
+    assert top_k_method(1, 512, 20, "gpu") == "split"  # chunks of 4 entries: too few
+    assert top_k_method(1, 128_256, 0, "gpu") == "plain"
 
 
 def test_no_logprobs_requested_returns_none():
