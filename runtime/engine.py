@@ -243,8 +243,15 @@ class Engine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already live")
         text, prompt_ids = self.prepare_prompt(prompt)
-        prompt_text = text if text is not None else prompt_text
         self.validate(prompt_ids, params, request_id=request_id)
+        return self.enqueue_checked(prompt_ids, params, request_id=request_id, priority=priority,
+                                    cache_salt=cache_salt, prompt_text=text if text is not None else prompt_text)
+
+    def enqueue_checked(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                        priority: int = 0, cache_salt: str | None = None, prompt_text: str | None = None) -> str:
+        """add_request for a prompt the caller already ran through prepare_prompt and validate
+        (LLM.generate checks every prompt before queueing any): queues it without checking again."""
+        request_id = request_id if request_id is not None else f"req-{next(self._sid_counter)}"
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         group = _Group(request_id, prompt_text, prompt_ids, params, seed, to_fork=params.n - 1)
         seq = self._new_seq(group, 0)

@@ -162,7 +162,7 @@ class LLM:
         try:
             while todo and waiting < cfg.max_num_seqs and tokens < 2 * cfg.max_num_batched_tokens:
                 prompt_ids, text, sp = todo.popleft()
-                ids.append(engine.add_request(prompt_ids, sp, prompt_text=text))
+                ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text))
                 waiting, tokens = waiting + 1, tokens + len(prompt_ids)
         except Exception:
             todo.clear()

@@ -124,13 +124,13 @@ def test_prompts_are_queued_as_the_engine_takes_them(llm, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6)
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:6]]
     seen = []  # (steps run, requests waiting, their tokens) at each queueing
-    add = engine.add_request
+    add = engine.enqueue_checked  # LLM.generate queues prompts it has already checked
 
     def watched(*a, **k):
         seen.append((engine.stats().num_steps, engine.scheduler.num_waiting, engine.scheduler.num_waiting_tokens))
         return add(*a, **k)
 
-    monkeypatch.setattr(engine, "add_request", watched)
+    monkeypatch.setattr(engine, "enqueue_checked", watched)
     steps0 = engine.stats().num_steps
     outs = llm.generate(prompts, params)
     assert [o.prompt for o in outs] == prompts
@@ -149,7 +149,7 @@ def test_prompts_are_queued_as_the_engine_takes_them(llm, monkeypatch):
 
 def test_queueing_failure_withdraws_every_request(llm, monkeypatch):
     engine = llm.engine
-    add, calls = engine.add_request, []
+    add, calls = engine.enqueue_checked, []
 
     def failing(*a, **k):
         calls.append(1)
@@ -157,7 +157,7 @@ def test_queueing_failure_withdraws_every_request(llm, monkeypatch):
             raise RuntimeError("injected")
         return add(*a, **k)
 
-    monkeypatch.setattr(engine, "add_request", failing)
+    monkeypatch.setattr(engine, "enqueue_checked", failing)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([f"{p} again" for p in PROMPTS] * 5, SamplingParams(temperature=0.0, max_tokens=30))
     assert len(calls) == 12 and engine.stats().num_aborted > 0
