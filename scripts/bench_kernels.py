@@ -8,7 +8,11 @@ Prints a short table per section and writes everything to --out as JSON:
   prefill:  causal bf16 flash attention TFLOP/s at B=4, N=32, K=8, H=128 for each T, our kernels
             next to jax.nn.dot_product_attention(implementation="cudnn") and "xla"; causal flops
             counted as 4 * B * N * T * T * H / 2;
-  decode:   filled by the ragged-paged-attention kernel (bench_decode).
+  decode:   filled by the ragged-paged-attention kernel (bench_decode);
+  ragged_prefill: the ragged-paged-attention kernel on prefill-shaped token batches (the engine's
+            prefill steps: S chunks of L new tokens after ctx tokens of context, pages of 16),
+            TFLOP/s counted as 4 * N * H * S * (L * ctx + L * L / 2), next to our flash attention
+            and cuDNN's over the same q/k/v held contiguous (where ctx = 0).
 Timing: warm-up, block_until_ready, median over repetitions of back-to-back calls, XLA's default
 preallocation kept (CONVENTIONS.md).
 """
@@ -204,6 +208,74 @@ def bench_decode(ceilings=None, *, configs=((64, 4096, 16), (64, 4096, 64), (8, 
     return rows
 
 
+def bench_ragged_prefill(ceilings=None, *, configs=((16, 512, 0, 64), (1, 8192, 0, 64), (1, 8192, 0, 128),
+                                                    (4, 2048, 6144, 128)),
+                         N=32, K=8, G=16, kernels=None) -> list[dict]:
+    """The ragged paged attention kernel on prefill chunks: S sequences of L new tokens each after
+    ctx tokens of context, head dim H, KV pages of G tokens scattered over the pool. Causal TFLOP/s
+    (masked work not counted) and rel. error against the jnp reference; where ctx = 0 also our flash
+    attention and cuDNN's on the same q/k/v laid out [S, L, heads, H]. kernels: name -> ragged_paged_attention-like
+    function (default: the Triton kernel with its default tiles)."""
+    from functools import partial
+
+    from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+    from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+
+    kernels = kernels or {"ragged_pallas": rpa_gpu.ragged_paged_attention}
+    rows = []
+    for S, L, ctx, H in configs:
+        sm_scale = 1.0 / math.sqrt(H)
+        n = L + ctx
+        pages_per_seq = -(-n // G)
+        P = S * pages_per_seq
+        k1, k2, k3 = jax.random.split(jax.random.key(S * n + H), 3)
+        kv_pages = jax.random.normal(k1, (P, G, 2 * K, H), jnp.bfloat16)
+        page_indices = jax.random.permutation(k2, P).astype(jnp.int32).reshape(S, pages_per_seq)
+        q = jax.random.normal(k3, (S * L, N, H), jnp.bfloat16)
+        kv_lens = jnp.full((S,), n, jnp.int32)
+        cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32) * L
+        num_seqs = jnp.asarray([S], jnp.int32)
+        args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        flops = 4 * N * H * S * (L * ctx + L * L / 2)
+        ref = jax.jit(partial(ref_ragged_paged_attention, sm_scale=sm_scale))(*args) if S * L * n <= 2**26 else None
+        fns = {name: (jax.jit(partial(k, sm_scale=sm_scale)), args) for name, k in kernels.items()}
+        if ctx == 0:  # the same attention with K/V contiguous: gather each sequence's rows from the pages
+            slots = (page_indices[:, :, None] * G + jnp.arange(G)[None, None, :]).reshape(S, -1)[:, :L]
+            rows_kv = kv_pages.reshape(P * G, 2 * K, H)[slots]  # [S, L, 2K, H]
+            fa_args = (q.reshape(S, L, N, H), rows_kv[:, :, 0::2], rows_kv[:, :, 1::2])
+            fns["flash_attention"] = (jax.jit(lambda q, k, v: flash_attention(
+                q, k, v, sm_scale=sm_scale, implementation="gpu").reshape(S * L, N, H)), fa_args)
+            fns["cudnn"] = (jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, scale=sm_scale, is_causal=True, implementation="cudnn").reshape(S * L, N, H)), fa_args)
+        for name, (f, a) in fns.items():
+            row = {"S": S, "L": L, "ctx": ctx, "H": H, "N": N, "K": K, "G": G, "impl": name}
+            try:
+                out = jax.block_until_ready(f(*a))
+                if ref is None:  # the first implementation's output is the reference of the others
+                    ref, row["err_vs"] = out, name
+                row["rel_err"] = _rel_err(out, ref)
+                row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+                t = time_call(f, *a)
+                row.update(seconds=t, tflops=flops / t / 1e12)
+                if ceilings:
+                    row["frac_of_matmul"] = row["tflops"] / ceilings["matmul_tflops"]
+            except Exception as e:  # a failing implementation is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            rows.append(row)
+            print(_fmt_ragged_prefill_row(row), flush=True)
+        del kv_pages, args, ref, fns
+    return rows
+
+
+def _fmt_ragged_prefill_row(r: dict) -> str:
+    head = f"S={r['S']:>2} L={r['L']:>5} ctx={r['ctx']:>5} H={r['H']:>3} {r['impl']:<22}"
+    if "error" in r:
+        return f"{head} {r['error']}"
+    frac = f"{r['frac_of_matmul']:.0%}" if "frac_of_matmul" in r else "-"
+    return (f"{head} {r['seconds'] * 1e3:8.3f} ms {r['tflops']:6.1f} TFLOP/s ({frac} of matmul) "
+            f"rel_err {r['rel_err']:.1e}{'' if r['finite'] else ' NON-FINITE'}")
+
+
 def _fmt_decode_row(r: dict) -> str:
     head = f"S={r['S']:>3} ctx={r['ctx']:>6} G={r['G']:>3} {r['impl']:<30}"
     if "error" in r:
@@ -229,7 +301,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--seq-lens", default="1024,4096,16384")
     ap.add_argument("--sweep-at", default="", help="comma-separated T values at which block-size variants also run")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: prefill,decode")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: prefill,decode,ragged_prefill")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
@@ -247,6 +319,8 @@ def main(argv=None):
         result["prefill"] = bench_prefill(seq, variants_at=sweep, ceilings=ceilings)
     if "decode" not in skip:
         result["decode"] = bench_decode(ceilings)
+    if "ragged_prefill" not in skip:
+        result["ragged_prefill"] = bench_ragged_prefill(ceilings)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("\n== prefill (causal bf16, B=4 N=32 K=8 H=128) ==")
     for r in result.get("prefill", []):

@@ -160,34 +160,46 @@ def _kernel(
         cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
         q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
 
-        def body(b, carry):
+        def body(b, carry, *, masked: bool):
             m, l, acc = carry
             pos = b * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
-            pos_ok = (pos >= lo) & (pos < hi)
+            pos_ok = ((pos >= lo) & (pos < hi)) if masked else None
             page = plgpu.load(page_indices_ref.at[s * pages_per_seq + lax.div(pos, page_size)],
-                              mask=pos_ok, other=0)
+                              mask=pos_ok, other=0 if masked else None)
             kv_row = (page * page_size + lax.rem(pos, page_size)) * (2 * num_kv_heads) + 2 * h
-            k = plgpu.load(kv_ref.at[kv_row[:, None], cols], mask=pos_ok[:, None], other=0.0)
-            v = plgpu.load(kv_ref.at[kv_row[:, None] + 1, cols], mask=pos_ok[:, None], other=0.0)
+            kv_ok, zero = (pos_ok[:, None], 0.0) if masked else (None, None)
+            k = plgpu.load(kv_ref.at[kv_row[:, None], cols], mask=kv_ok, other=zero)
+            v = plgpu.load(kv_ref.at[kv_row[:, None] + 1, cols], mask=kv_ok, other=zero)
             logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, kv_block]
             # Scaled after the dot, in f32: folding the scale into bf16 q would round it.
             if soft_cap is None:
                 logits = logits * (sm_scale * _LOG2E)
             else:
                 logits = (soft_cap * _LOG2E) * jnp.tanh(logits * (sm_scale / soft_cap))
-            mask = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            if sliding_window is not None:
-                mask &= pos[None, :] > q_pos[:, None] - sliding_window
-            logits = jnp.where(mask, logits, MASK_VALUE)
+            if masked:
+                mask = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+                if sliding_window is not None:
+                    mask &= pos[None, :] > q_pos[:, None] - sliding_window
+                logits = jnp.where(mask, logits, MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(logits, axis=1))
-            p = jnp.where(mask, jnp.exp2(logits - m_next[:, None]), 0.0)
+            p = jnp.exp2(logits - m_next[:, None])
+            if masked:
+                p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp2(m - m_next)
             pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return m_next, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
         init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
                 jnp.zeros((rows, q_ref.shape[1]), f32))
-        m, l, acc = lax.fori_loop(b0, b1, body, init)
+        # Blocks whose keys every row may see (all at or before the item's first query position,
+        # no window) skip the mask and the masked loads: all but the last block of a decode, all
+        # below the diagonal of a prefill chunk. Rows past the item's tokens then hold q = 0 and
+        # finite sums, and are never stored.
+        full = b0
+        if sliding_window is None:
+            full = jnp.clip(lax.div(ctx + q0 - q_start + 1, kv_block), b0, b1)
+        carry = lax.fori_loop(b0, full, functools.partial(body, masked=False), init)
+        m, l, acc = lax.fori_loop(full, b1, functools.partial(body, masked=True), carry)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if kv_splits == 1:
             plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_ok[:, None])
