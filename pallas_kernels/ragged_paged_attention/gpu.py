@@ -61,6 +61,11 @@ def _num_sms() -> int:
         return _DEFAULT_NUM_SMS
 
 
+def prefill_shaped(T: int, S: int) -> bool:
+    """A bucket of prefill chunks: >= 8 tokens a sequence on average (static shapes)."""
+    return T >= 8 * S
+
+
 def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     T, N, _ = q.shape
     _, G, K2, _ = kv_pages.shape
@@ -70,7 +75,7 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     # Decode-heavy batches have one token per sequence: a few tokens per item keeps rows >= 16.
     # Buckets of prefill chunks (>= 8 tokens a sequence on average) stack 64 rows: 16 x 512-token
     # prompts ran ~12% faster than with 16 rows (H200 sweep, docs/benchmarks.md).
-    rows = 64 if T >= 8 * S else 16
+    rows = 64 if prefill_shaped(T, S) else 16
     bq = max(1, min(rows // q_per_kv if q_per_kv < rows else 1, T))
     # H200 sweeps (docs/kernels/ragged_paged_attention.md): 64 keys per step, 4 warps, 2 stages and
     # about 2 programs per SM (64 x 4k: 1 split; 8 x 32k: 8) were best or within run-to-run noise
@@ -129,6 +134,7 @@ def _kernel(
     rows: int,
     kv_block: int,
     kv_splits: int,
+    unmasked_full_blocks: bool,
 ):
     i, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_per_kv = num_heads // num_kv_heads
@@ -191,14 +197,16 @@ def _kernel(
 
         init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
                 jnp.zeros((rows, q_ref.shape[1]), f32))
-        # Blocks whose keys every row may see (all at or before the item's first query position,
-        # no window) skip the mask and the masked loads: all but the last block of a decode, all
-        # below the diagonal of a prefill chunk. Rows past the item's tokens then hold q = 0 and
-        # finite sums, and are never stored.
-        full = b0
-        if sliding_window is None:
+        # unmasked_full_blocks: blocks whose keys every row may see (all at or before the item's
+        # first query position, no window) skip the mask and the masked loads, in a loop of their
+        # own: those below the diagonal of a prefill chunk. Rows past the item's tokens then hold
+        # q = 0 and finite sums, and are never stored.
+        # Decode-shaped buckets keep one loop: a second pipelined loop made 64 x 4k (H = 128) 22%
+        # slower on an H200 and 256 x 512 (H = 64) no faster (docs/kernels/ragged_paged_attention.md).
+        full, carry = b0, init
+        if unmasked_full_blocks and sliding_window is None:
             full = jnp.clip(lax.div(ctx + q0 - q_start + 1, kv_block), b0, b1)
-        carry = lax.fori_loop(b0, full, functools.partial(body, masked=False), init)
+            carry = lax.fori_loop(b0, full, functools.partial(body, masked=False), init)
         m, l, acc = lax.fori_loop(full, b1, functools.partial(body, masked=True), carry)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if kv_splits == 1:
@@ -244,7 +252,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
-        kv_block=bkv, kv_splits=splits)
+        kv_block=bkv, kv_splits=splits, unmasked_full_blocks=prefill_shaped(T, S))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
