@@ -197,8 +197,8 @@ def draws(logits_row, calls=CALLS, **params):
 
 
 def check_distribution(samples, probs, logits):
-    """samples drawn from probs (f64[V]), by three checks whose false alarms are each < 1e-6:
-    - every cell's count within 5.5 binomial standard deviations of its expectation;
+    """samples drawn from probs (f64[V]), by three checks whose false alarms together stay < 1e-5:
+    - every cell's count within 5.5 binomial standard deviations of its expectation (V cells: ~2e-6);
     - the G statistic over the cells (those expected < 5 times pooled) below the chi-square bound
       of p = 1e-8 (Wilson-Hilferty);
     - the mean logit of the samples within 5.5 standard errors of its expectation: the direction a
