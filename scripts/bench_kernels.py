@@ -90,6 +90,18 @@ def _rel_err(x, ref) -> float:
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
+def _check_and_time(row: dict, f, args, out, ref, flops: float, ceilings) -> None:
+    """row += rel. error and finiteness of out against ref (when there is one), then f's median
+    seconds, TFLOP/s and their fraction of the matmul ceiling."""
+    if ref is not None:
+        row["rel_err"] = _rel_err(out, ref)
+        row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+    t = time_call(f, *args)
+    row.update(seconds=t, tflops=flops / t / 1e12)
+    if ceilings:
+        row["frac_of_matmul"] = row["tflops"] / ceilings["matmul_tflops"]
+
+
 def bench_prefill(seq_lens=(1024, 4096, 16384), *, B=4, N=32, K=8, H=128, variants_at=(), ceilings=None) -> list[dict]:
     """Causal bf16 prefill TFLOP/s per implementation and T; rel. error vs an f32 reference
     (T <= 1024) or vs cuDNN (larger T)."""
@@ -117,13 +129,7 @@ def bench_prefill(seq_lens=(1024, 4096, 16384), *, B=4, N=32, K=8, H=128, varian
                 if ref is None and name != "cudnn":
                     ref = jax.jit(_prefill_impls(sm_scale, False)["cudnn"])(q, k, v)
                     row["err_vs"] = "cudnn"
-                if ref is not None:
-                    row["rel_err"] = _rel_err(out, ref)
-                    row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-                t = time_call(f, q, k, v)
-                row.update(seconds=t, tflops=flops / t / 1e12)
-                if ceilings:
-                    row["frac_of_matmul"] = row["tflops"] / ceilings["matmul_tflops"]
+                _check_and_time(row, f, (q, k, v), out, ref, flops, ceilings)
             except Exception as e:  # a failing implementation is a result, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             rows.append(row)
@@ -253,12 +259,7 @@ def bench_ragged_prefill(ceilings=None, *, configs=((16, 512, 0, 64), (1, 8192, 
                 out = jax.block_until_ready(f(*a))
                 if ref is None:  # the first implementation's output is the reference of the others
                     ref, row["err_vs"] = out, name
-                row["rel_err"] = _rel_err(out, ref)
-                row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-                t = time_call(f, *a)
-                row.update(seconds=t, tflops=flops / t / 1e12)
-                if ceilings:
-                    row["frac_of_matmul"] = row["tflops"] / ceilings["matmul_tflops"]
+                _check_and_time(row, f, a, out, ref, flops, ceilings)
             except Exception as e:  # a failing implementation is a result, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             rows.append(row)
@@ -267,33 +268,29 @@ def bench_ragged_prefill(ceilings=None, *, configs=((16, 512, 0, 64), (1, 8192, 
     return rows
 
 
-def _fmt_ragged_prefill_row(r: dict) -> str:
-    head = f"S={r['S']:>2} L={r['L']:>5} ctx={r['ctx']:>5} H={r['H']:>3} {r['impl']:<22}"
+def _fmt_row(head: str, r: dict) -> str:
+    """A result row: head, then its error, or its time, rate, fraction of the ceiling and rel. error."""
     if "error" in r:
         return f"{head} {r['error']}"
-    frac = f"{r['frac_of_matmul']:.0%}" if "frac_of_matmul" in r else "-"
-    return (f"{head} {r['seconds'] * 1e3:8.3f} ms {r['tflops']:6.1f} TFLOP/s ({frac} of matmul) "
-            f"rel_err {r['rel_err']:.1e}{'' if r['finite'] else ' NON-FINITE'}")
+    if "tflops" in r:
+        rate, frac, ceiling = f"{r['tflops']:7.1f} TFLOP/s", r.get("frac_of_matmul"), "matmul"
+    else:
+        rate, frac, ceiling = f"{r['gbytes_per_s']:7.0f} GB/s", r.get("frac_of_copy"), "copy"
+    err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+    return (f"{head} {r['seconds'] * 1e3:9.3f} ms {rate} ({'-' if frac is None else f'{frac:.0%}'} of {ceiling}) "
+            f"rel_err {err}{'' if r.get('finite', True) else ' NON-FINITE'}")
+
+
+def _fmt_ragged_prefill_row(r: dict) -> str:
+    return _fmt_row(f"S={r['S']:>2} L={r['L']:>5} ctx={r['ctx']:>5} H={r['H']:>3} {r['impl']:<22}", r)
 
 
 def _fmt_decode_row(r: dict) -> str:
-    head = f"S={r['S']:>3} ctx={r['ctx']:>6} G={r['G']:>3} {r['impl']:<30}"
-    if "error" in r:
-        return f"{head} {r['error']}"
-    frac = f"{r['frac_of_copy']:.0%}" if "frac_of_copy" in r else "-"
-    return (f"{head} {r['seconds'] * 1e3:8.3f} ms {r['gbytes_per_s']:7.0f} GB/s ({frac} of copy) "
-            f"rel_err {r['rel_err']:.1e}{'' if r['finite'] else ' NON-FINITE'}")
+    return _fmt_row(f"S={r['S']:>3} ctx={r['ctx']:>6} G={r['G']:>3} {r['impl']:<30}", r)
 
 
 def _fmt_prefill_row(r: dict) -> str:
-    if "error" in r:
-        return f"T={r['T']:>6} {r['impl']:<24} {r['error']}"
-    err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-    frac = f"{r['frac_of_matmul']:.0%}" if "frac_of_matmul" in r else "-"
-    return (f"T={r['T']:>6} {r['impl']:<24} {r['seconds'] * 1e3:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
-            f"({frac} of matmul)  rel_err {err}")
-
-
+    return _fmt_row(f"T={r['T']:>6} {r['impl']:<24}", r)
 
 
 def main(argv=None):
