@@ -53,3 +53,27 @@ def test_bench_throughput_smoke(tmp_path):
     lo, hi = x["output_tok_s_range"]
     assert lo <= x["output_tok_s"] <= hi
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
+
+
+def test_bench_kernels_ragged_prefill_smoke():
+    """bench_kernels' ragged_prefill section, in process: the Triton kernel in interpret mode beside
+    the reference on a first chunk and on a chunk after context (both through its unmasked loop).
+    Rows carry finite positive rates and the kernel's error against the reference; the GPU-only
+    peers become rows with an error, not a crash."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kernels
+    from functools import partial
+
+    from pallas_kernels.ragged_paged_attention import gpu, ref_ragged_paged_attention
+
+    kernels = {"reference": ref_ragged_paged_attention,
+               "triton_interpret": partial(gpu.ragged_paged_attention, interpret=True)}
+    rows = bench_kernels.bench_ragged_prefill(configs=((2, 32, 0, 64), (1, 16, 48, 64)), N=4, K=2, kernels=kernels)
+    by = {(r["ctx"], r["impl"]): r for r in rows}
+    assert sorted(by) == [(0, "cudnn"), (0, "flash_attention"), (0, "reference"), (0, "triton_interpret"),
+                          (48, "reference"), (48, "triton_interpret")]
+    for ctx in (0, 48):
+        assert by[(ctx, "reference")]["rel_err"] == 0
+        r = by[(ctx, "triton_interpret")]
+        assert r["finite"] and r["rel_err"] < 2e-2 and _positive(r["tflops"]) and _positive(r["seconds"])
+    assert "error" in by[(0, "cudnn")] and "error" in by[(0, "flash_attention")]
