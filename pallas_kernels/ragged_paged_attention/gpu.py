@@ -10,7 +10,9 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
   * it walks the keys its rows can see (causal upper end, sliding-window lower end) in blocks of
     kv_pages_per_block * G keys, gathering K/V rows token by token through the page table
     (page_indices[s, pos // G] * G + pos % G), so the block size is independent of the page size
-    and nothing past a sequence's length is read; masked loads return 0 there;
+    and nothing past a sequence's length is read; masked loads return 0 there. In buckets of
+    prefill chunks the blocks every row sees whole (below the diagonal) go first, in a loop with
+    no mask;
   * kv_splits > 1 divides each item's key range among programs (flash-decoding); each writes a
     normalised partial output and its log-sum-exp, merged by a small jnp epilogue. That is what
     fills the GPU when there are few sequences and long contexts (8 x 32k: 64 (item, head)
