@@ -1,10 +1,13 @@
-"""TLS for HTTP and gRPC (and mTLS), and health when the engine loop is gone."""
+"""TLS for HTTP and gRPC (and mTLS), and health when the engine loop is gone or makes no step."""
 
 from __future__ import annotations
 
 import shutil
 import ssl
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -86,4 +89,47 @@ def test_health_fails_when_the_engine_loop_is_gone(engine):
                 list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(text="x"), timeout=10))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
+        s.stop()
+
+
+def _poll_health(s, status_code: int, timeout_s: float = 30.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = httpx.get(s.http_url + "/health", timeout=10)
+        if h.status_code == status_code or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def test_health_fails_while_the_engine_makes_no_step(engine, monkeypatch):
+    """A request in flight and no engine step for health_stall_s: /health answers 503 naming the
+    stall, gRPC health NOT_SERVING. Once steps resume, health is back to 200 and the request
+    completes. An idle engine is never stalled, however long it waits."""
+    gate = threading.Event()
+    step = engine.step
+
+    def stalled_step():
+        gate.wait(60)
+        return step()
+
+    s = LiveServer(engine, health_stall_s=0.3).start()
+    try:
+        for _ in range(2):  # the first check notes the step count; the second comes after health_stall_s idle
+            assert httpx.get(s.http_url + "/health").status_code == 200
+            time.sleep(0.5)
+        monkeypatch.setattr(engine, "step", stalled_step)
+        with ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
+            pending = pool.submit(httpx.post, s.base_url + "/completions", json=body, timeout=60)
+            h = _poll_health(s, 503)
+            assert h.status_code == 503 and "engine made no step" in h.json()["status"], h.text
+            with grpc.insecure_channel(s.grpc_target) as ch:
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            gate.set()
+            r = pending.result(60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert _poll_health(s, 200).status_code == 200
+    finally:
+        gate.set()
         s.stop()
