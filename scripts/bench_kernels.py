@@ -138,6 +138,20 @@ def bench_prefill(seq_lens=(1024, 4096, 16384), *, B=4, N=32, K=8, H=128, varian
     return rows
 
 
+def _paged_batch(S: int, L: int, n: int, *, G: int, N: int, K: int, H: int, seed: int) -> tuple:
+    """ragged_paged_attention's inputs, bf16: S sequences of L query tokens each (the last L of their
+    n keys), pages of G tokens scattered at random over a pool of exactly their pages (as after many
+    alloc/free cycles). Returns (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)."""
+    pages_per_seq = -(-n // G)
+    P = S * pages_per_seq
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    kv_pages = jax.random.normal(k1, (P, G, 2 * K, H), jnp.bfloat16)  # [P, G, 2K, H]
+    page_indices = jax.random.permutation(k2, P).astype(jnp.int32).reshape(S, pages_per_seq)
+    q = jax.random.normal(k3, (S * L, N, H), jnp.bfloat16)  # [T, N, H]
+    return (q, kv_pages, jnp.full((S,), n, jnp.int32), page_indices, jnp.arange(S + 1, dtype=jnp.int32) * L,
+            jnp.asarray([S], jnp.int32))
+
+
 def bench_decode(ceilings=None, *, configs=((64, 4096, 16), (64, 4096, 64), (8, 32768, 16), (8, 32768, 64)),
                  N=32, K=8, H=128, sweep=True) -> list[dict]:
     """Decode attention over a paged bf16 KV cache: one query token per sequence, S sequences of ctx
@@ -157,17 +171,8 @@ def bench_decode(ceilings=None, *, configs=((64, 4096, 16), (64, 4096, 64), (8, 
     sm_scale = 1.0 / math.sqrt(H)
     rows = []
     for S, ctx, G in configs:
-        pages_per_seq = ctx // G
-        P = S * pages_per_seq
-        key = jax.random.key(S * ctx + G)
-        k1, k2, k3 = jax.random.split(key, 3)
-        kv_pages = jax.random.normal(k1, (P, G, 2 * K, H), jnp.bfloat16)  # [P, G, 2K, H]
-        page_indices = jax.random.permutation(k2, P).astype(jnp.int32).reshape(S, pages_per_seq)
-        q = jax.random.normal(k3, (S, N, H), jnp.bfloat16)  # [T=S, N, H]
-        kv_lens = jnp.full((S,), ctx, jnp.int32)
-        cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)
-        num_seqs = jnp.asarray([S], jnp.int32)
-        args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        args = _paged_batch(S, 1, ctx, G=G, N=N, K=K, H=H, seed=S * ctx + G)
+        q, kv_pages, _, page_indices, _, _ = args
         nbytes = S * ctx * 2 * K * H * 2 + 2 * S * N * H * 2 + page_indices.size * 4
         ref_fn = jax.jit(partial(ref_ragged_paged_attention, sm_scale=sm_scale))
         ref = ref_fn(*args)
@@ -232,22 +237,14 @@ def bench_ragged_prefill(ceilings=None, *, configs=((16, 512, 0, 64), (1, 8192, 
     for S, L, ctx, H in configs:
         sm_scale = 1.0 / math.sqrt(H)
         n = L + ctx
-        pages_per_seq = -(-n // G)
-        P = S * pages_per_seq
-        k1, k2, k3 = jax.random.split(jax.random.key(S * n + H), 3)
-        kv_pages = jax.random.normal(k1, (P, G, 2 * K, H), jnp.bfloat16)
-        page_indices = jax.random.permutation(k2, P).astype(jnp.int32).reshape(S, pages_per_seq)
-        q = jax.random.normal(k3, (S * L, N, H), jnp.bfloat16)
-        kv_lens = jnp.full((S,), n, jnp.int32)
-        cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32) * L
-        num_seqs = jnp.asarray([S], jnp.int32)
-        args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        args = _paged_batch(S, L, n, G=G, N=N, K=K, H=H, seed=S * n + H)
+        q, kv_pages, _, page_indices, _, _ = args
         flops = 4 * N * H * S * (L * ctx + L * L / 2)
         ref = jax.jit(partial(ref_ragged_paged_attention, sm_scale=sm_scale))(*args) if S * L * n <= 2**26 else None
         fns = {name: (jax.jit(partial(k, sm_scale=sm_scale)), args) for name, k in kernels.items()}
         if ctx == 0:  # the same attention with K/V contiguous: gather each sequence's rows from the pages
             slots = (page_indices[:, :, None] * G + jnp.arange(G)[None, None, :]).reshape(S, -1)[:, :L]
-            rows_kv = kv_pages.reshape(P * G, 2 * K, H)[slots]  # [S, L, 2K, H]
+            rows_kv = kv_pages.reshape(-1, 2 * K, H)[slots]  # [S, L, 2K, H]
             fa_args = (q.reshape(S, L, N, H), rows_kv[:, :, 0::2], rows_kv[:, :, 1::2])
             fns["flash_attention"] = (jax.jit(lambda q, k, v: flash_attention(
                 q, k, v, sm_scale=sm_scale, implementation="gpu").reshape(S * L, N, H)), fa_args)

@@ -199,14 +199,14 @@ def _kernel(
 
         init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
                 jnp.zeros((rows, q_ref.shape[1]), f32))
-        # unmasked_full_blocks: blocks whose keys every row may see (all at or before the item's
-        # first query position, no window) skip the mask and the masked loads, in a loop of their
-        # own: those below the diagonal of a prefill chunk. Rows past the item's tokens then hold
-        # q = 0 and finite sums, and are never stored.
+        # unmasked_full_blocks (no window): blocks whose keys every row may see (all at or before the
+        # item's first query position) skip the mask and the masked loads, in a loop of their own:
+        # those below the diagonal of a prefill chunk. Rows past the item's tokens then hold q = 0
+        # and finite sums, and are never stored.
         # Decode-shaped buckets keep one loop: a second pipelined loop made 64 x 4k (H = 128) 22%
         # slower on an H200 and 256 x 512 (H = 64) no faster (docs/kernels/ragged_paged_attention.md).
         full, carry = b0, init
-        if unmasked_full_blocks and sliding_window is None:
+        if unmasked_full_blocks:
             full = jnp.clip(lax.div(ctx + q0 - q_start + 1, kv_block), b0, b1)
             carry = lax.fori_loop(b0, full, functools.partial(body, masked=False), init)
         m, l, acc = lax.fori_loop(full, b1, functools.partial(body, masked=True), carry)
@@ -254,7 +254,8 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
-        kv_block=bkv, kv_splits=splits, unmasked_full_blocks=prefill_shaped(T, S))
+        kv_block=bkv, kv_splits=splits,
+        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,

@@ -209,9 +209,10 @@ def check_distribution(samples, probs, logits):
     expected = n * probs
     sd = np.sqrt(expected * (1 - probs)) + 1e-9
     assert (np.abs(counts - expected) <= 5.5 * sd + 1).all(), np.abs(counts - expected).max()
-    small = (expected < 5) & (probs > 0)
-    obs = np.append(counts[~small & (probs > 0)], counts[small].sum())
-    exp = np.append(expected[~small & (probs > 0)], expected[small].sum())
+    support = probs > 0
+    small = support & (expected < 5)
+    obs = np.append(counts[support & ~small], counts[small].sum())
+    exp = np.append(expected[support & ~small], expected[small].sum())
     obs, exp = obs[exp > 0], exp[exp > 0]
     df = len(exp) - 1
     if df > 0:
