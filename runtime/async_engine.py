@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from runtime.engine import Engine, EngineStats
+from runtime.engine import Engine, EngineStats, frozen_heap
 from runtime.llm import RequestOutput
 from runtime.request import SamplingParams
 
@@ -157,16 +157,17 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while not self._stop:
-                self._drain()
-                if not engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                outputs = engine.step()
-                self._stats = engine.stats()  # before delivery: a consumer sees stats at least this fresh
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+            with frozen_heap():  # the objects alive when serving starts stay out of the collector's way
+                while not self._stop:
+                    self._drain()
+                    if not engine.has_unfinished():
+                        self._wake.wait()
+                        self._wake.clear()
+                        continue
+                    outputs = engine.step()
+                    self._stats = engine.stats()  # before delivery: a consumer sees stats at least this fresh
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - reported to every stream and to health()
             logger.exception("engine loop died")
             self._error = e

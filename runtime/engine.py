@@ -40,6 +40,14 @@ was made). Requests finished by EOS or stop ids finish at resolve time, by lengt
 (`abort`) releases the request's pages at once, even while a step that uses them is in flight:
 the next step that could reuse them runs after it on the device (kv_pages is threaded through).
 
+Garbage collection: CPython's full (generation 2) collection walks every tracked object, and a
+warmed-up process holds ~300k of them (JAX, the model, the compiled programs): one such pause
+took 130-270 ms on the CPU here, and on the H200 host one timed offline run in two took ~0.2 s
+longer than the others (docs/benchmarks.md). The loops that drive the engine (LLM.generate, the
+async engine's thread) run inside `frozen_heap()`, which moves the objects alive at entry out of
+the collector's reach (gc.freeze) and gives them back at exit, so a collection inside the loop
+walks only the objects the loop made.
+
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
 plan completes its prompt, sharing its prompt pages. Sample i uses seed + i.
@@ -47,6 +55,8 @@ plan completes its prompt, sharing its prompt pages. Sample i uses seed + i.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
@@ -495,6 +505,22 @@ class Engine:
             assert alloc.num_free + alloc.num_cached == self.config.num_pages, (
                 f"free {alloc.num_free} + cached {alloc.num_cached} != {self.config.num_pages} pages"
             )
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Run the body with every object alive at entry frozen (gc.freeze) and unfreeze them at exit:
+    a cyclic collection inside then walks only the objects the body made (module docstring). Left
+    alone when something froze objects already (an outer frozen_heap, or the application's own
+    gc.freeze policy), so an inner exit never unfreezes what an outer owner froze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:

@@ -140,7 +140,9 @@ class LLM:
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         show = engine.config.progress if use_tqdm is None else use_tqdm
-        with tqdm(total=len(todo), desc="generating", unit="req", disable=not show) as bar:
+        from runtime.engine import frozen_heap
+
+        with frozen_heap(), tqdm(total=len(todo), desc="generating", unit="req", disable=not show) as bar:
             while todo or engine.has_unfinished():
                 self._queue(todo, ids)
                 for out in engine.step(partial=False):

@@ -12,6 +12,7 @@ keeps this from going vacuous.
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import replace
 
 import jax
@@ -594,12 +595,14 @@ def test_async_engine_streams_and_cancels(engine, workload):
             await drain(ae.submit(GenerationRequest(prompt_token_ids=[7, 8, 9], sampling_params=params)))
             stats = ae.stats()
             assert stats.num_aborted >= 2 and stats.num_running == 0
+            assert gc.get_freeze_count() > 0  # the loop runs with the heap it started on frozen
             assert ae.health().healthy
             with pytest.raises(ValueError, match="max_model_len is 256"):
                 ae.submit(GenerationRequest(prompt_token_ids=[5] * 300, sampling_params=params))
         finally:
             ae.shutdown()
         assert not ae.health().running
+        assert gc.get_freeze_count() == 0  # and gives it back when it stops
 
     asyncio.run(main())
     check_idle(engine)

@@ -5,6 +5,8 @@ This model ends stories with BOS, never with its EOS: like llama2.c's run.c, gen
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from runtime.llm import LLM, RequestOutput, SamplingParams
@@ -162,4 +164,32 @@ def test_queueing_failure_withdraws_every_request(llm, monkeypatch):
         llm.generate([f"{p} again" for p in PROMPTS] * 5, SamplingParams(temperature=0.0, max_tokens=30))
     assert len(calls) == 12 and engine.stats().num_aborted > 0
     assert not engine.has_unfinished()
+    assert gc.get_freeze_count() == 0  # the frozen heap is given back on the error path too
     engine.check_invariants()
+
+
+def test_generate_runs_with_the_heap_frozen(llm, monkeypatch):
+    # The generate loop runs inside frozen_heap (runtime/engine.py): the objects alive at entry
+    # (the warmed-up process: JAX, the model, the programs) are out of the cyclic collector's
+    # reach while it steps, and given back at exit; an application's own gc.freeze is left alone.
+    engine, step, seen = llm.engine, llm.engine.step, []
+
+    def watched(*a, **k):
+        seen.append(gc.get_freeze_count())
+        return step(*a, **k)
+
+    monkeypatch.setattr(engine, "step", watched)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert gc.get_freeze_count() == 0, "something else left the heap frozen"
+    first = llm.generate(PROMPTS, params)
+    assert seen and min(seen) > 10_000  # the whole warmed-up heap, not a handful of objects
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        own = gc.get_freeze_count()
+        seen.clear()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in first]
+        # Frozen objects freed by reference counting leave the frozen set; nothing joins it.
+        assert seen and all(own - 1000 < c <= own for c in seen + [gc.get_freeze_count()])
+    finally:
+        gc.unfreeze()
