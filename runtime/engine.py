@@ -41,12 +41,12 @@ was made). Requests finished by EOS or stop ids finish at resolve time, by lengt
 the next step that could reuse them runs after it on the device (kv_pages is threaded through).
 
 Garbage collection: CPython's full (generation 2) collection walks every tracked object, and a
-warmed-up process holds ~300k of them (JAX, the model, the compiled programs): one such pause
-took 130-270 ms on the CPU here, and on the H200 host one timed offline run in two took ~0.2 s
-longer than the others (docs/benchmarks.md). The loops that drive the engine (LLM.generate, the
-async engine's thread) run inside `frozen_heap()`, which moves the objects alive at entry out of
-the collector's reach (gc.freeze) and gives them back at exit, so a collection inside the loop
-walks only the objects the loop made.
+warmed-up process holds 300-400k of them (JAX, the model, the compiled programs): 130-270 ms on
+the CPU here, 200-260 ms on the H200 host, where one full collection landed in every fourth
+offline run of bench_throughput (1.51-1.57 s against 1.30-1.34 s; docs/benchmarks.md). The loops
+that drive the engine (LLM.generate, the async engine's thread) run inside `frozen_heap()`,
+which moves the objects alive at entry out of the collector's reach (gc.freeze) and gives them
+back at exit, so a collection inside the loop walks only the objects the loop made.
 
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
@@ -59,6 +59,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
@@ -507,20 +508,30 @@ class Engine:
             )
 
 
+_freeze_lock = threading.Lock()
+_freeze_depth = 0  # frozen_heap bodies running now, in any thread
+
+
 @contextlib.contextmanager
 def frozen_heap():
-    """Run the body with every object alive at entry frozen (gc.freeze) and unfreeze them at exit:
-    a cyclic collection inside then walks only the objects the body made (module docstring). Left
-    alone when something froze objects already (an outer frozen_heap, or the application's own
-    gc.freeze policy), so an inner exit never unfreezes what an outer owner froze."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
+    """Run the body with every object alive at entry frozen (gc.freeze): a cyclic collection inside
+    then walks only the objects made since (module docstring). The outermost of nested or
+    concurrent bodies freezes and unfreezes. CPython has no partial unfreeze, so the exit gives
+    back every frozen object, including any that the process froze before (some libraries freeze
+    a few hundred objects at import); an application that wants its heap frozen for good
+    freezes it again after."""
+    global _freeze_depth
+    with _freeze_lock:
+        if _freeze_depth == 0:
+            gc.freeze()
+        _freeze_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _freeze_lock:
+            _freeze_depth -= 1
+            if _freeze_depth == 0:
+                gc.unfreeze()
 
 
 def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:

@@ -9,6 +9,7 @@ import gc
 
 import pytest
 
+from runtime.engine import frozen_heap
 from runtime.llm import LLM, RequestOutput, SamplingParams
 from tests.testing.data import shared_data_dir
 
@@ -171,7 +172,8 @@ def test_queueing_failure_withdraws_every_request(llm, monkeypatch):
 def test_generate_runs_with_the_heap_frozen(llm, monkeypatch):
     # The generate loop runs inside frozen_heap (runtime/engine.py): the objects alive at entry
     # (the warmed-up process: JAX, the model, the programs) are out of the cyclic collector's
-    # reach while it steps, and given back at exit; an application's own gc.freeze is left alone.
+    # reach while it steps, and given back at exit, also when something froze a few objects before
+    # (as a library may at import); nested in another frozen_heap, the outer one keeps them frozen.
     engine, step, seen = llm.engine, llm.engine.step, []
 
     def watched(*a, **k):
@@ -181,15 +183,18 @@ def test_generate_runs_with_the_heap_frozen(llm, monkeypatch):
     monkeypatch.setattr(engine, "step", watched)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     assert gc.get_freeze_count() == 0, "something else left the heap frozen"
-    first = llm.generate(PROMPTS, params)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert seen and min(seen) > 10_000  # the whole warmed-up heap, not a handful of objects
     assert gc.get_freeze_count() == 0
-    gc.freeze()
-    try:
-        own = gc.get_freeze_count()
+    gc.freeze()  # frozen before: here the whole heap, then 20k objects made since
+    before, made = gc.get_freeze_count(), [[i] for i in range(20_000)]
+    seen.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == first
+    assert seen and min(seen) > before + len(made) - 1000 and gc.get_freeze_count() == 0
+    with frozen_heap():
+        outer = gc.get_freeze_count()
         seen.clear()
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in first]
-        # Frozen objects freed by reference counting leave the frozen set; nothing joins it.
-        assert seen and all(own - 1000 < c <= own for c in seen + [gc.get_freeze_count()])
-    finally:
-        gc.unfreeze()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == first
+        # Objects freed by reference counting leave the frozen set; the inner exit unfreezes nothing.
+        assert seen and all(outer - 1000 < c <= outer for c in seen + [gc.get_freeze_count()])
+    assert gc.get_freeze_count() == 0
