@@ -23,7 +23,7 @@ small bucket table (warmup compile time is reported apart), LLM's decode bursts 
 sets EngineConfig.decode_steps; 1 turns them off), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
 step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
-no tokenizer).
+no tokenizer). Full garbage collections inside each timed run are reported with their pauses.
 
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
@@ -39,6 +39,7 @@ report output tokens per second (generated tokens / wall time of the generate ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -106,12 +107,14 @@ def run_xla(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
-    walls, bad = [], []
+    walls, bad, full_gcs = [], [], []
     for r in range(args.repeats):
         prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, repeat_seed(args, r))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - t0)
+        with full_gc_pauses() as pauses:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
+        full_gcs.append([round(p * 1e3, 1) for p in pauses])
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         bad += [(r, i) for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != args.output_len
                 or (args.logprobs is not None and (len(o.outputs[0].logprobs) != args.output_len
@@ -132,12 +135,34 @@ def run_xla(args) -> dict:
         "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
         "prefill_tokens": (st2.prefill_tokens - st1.prefill_tokens) / args.repeats,  # per run
         "compiles_after_warmup": st2.num_compiles_after_warmup,
+        "full_gc_ms_runs": full_gcs,  # each timed run's full (generation 2) garbage collections
     }
     del llm, eng  # the KV pool: room for the ceiling measurements
     gc.collect()
     res.update(physical_floor(mc, args, copy_bandwidth(args.copy_elems)["copy_bytes_per_s"],
                               matmul_flops(args.matmul_size)["matmul_flops_per_s"]))
     return res
+
+
+@contextlib.contextmanager
+def full_gc_pauses():
+    """Yields a list that collects the duration (s) of every full (generation 2) garbage collection
+    in the body: ~0.25 s each in a warmed-up process when the heap is not frozen (runtime/engine.py,
+    frozen_heap)."""
+    pauses, start = [], []
+
+    def watch(phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                start.append(time.perf_counter())
+            elif start:
+                pauses.append(time.perf_counter() - start.pop())
+
+    gc.callbacks.append(watch)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(watch)
 
 
 def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
@@ -321,7 +346,8 @@ def main() -> None:
         print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
               f"{x['wall_s']:.2f} | {x['steps']:.0f} steps a run ({x['bursts']:.0f} bursts of {x['decode_steps']}), "
               f"{x['preemptions']} preemptions, warmup "
-              f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s |")
+              f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s, "
+              f"full GCs in the timed runs (ms): {x['full_gc_ms_runs']} |")
     elif "xla" in result:
         print(f"| xlaserve | failed: {x.get('error')} |")
     if "output_tok_s" in h:

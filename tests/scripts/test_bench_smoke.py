@@ -6,6 +6,7 @@ decode with torch inductor takes minutes on a CPU."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import subprocess
@@ -50,9 +51,25 @@ def test_bench_throughput_smoke(tmp_path):
     # penalized rows asking for logprobs decode in bursts; every token carries its logprobs (wrong_length)
     assert res["workload"]["frequency_penalty"] == 0.5 and res["workload"]["logprobs"] == 2 and x["bursts"] > 0
     assert len(x["wall_s_runs"]) == 2 and all(_positive(w) for w in x["wall_s_runs"])
+    assert len(x["full_gc_ms_runs"]) == 2
     lo, hi = x["output_tok_s_range"]
     assert lo <= x["output_tok_s"] <= hi
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
+
+
+def test_full_gc_pauses_counts_full_collections_in_its_body_only():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_throughput import full_gc_pauses
+
+    callbacks = list(gc.callbacks)
+    with full_gc_pauses() as pauses:
+        gc.collect(0)
+        gc.collect(1)
+        gc.collect()
+        gc.collect(2)
+    gc.collect()
+    assert len(pauses) == 2 and all(_positive(p) for p in pauses)
+    assert gc.callbacks == callbacks
 
 
 def test_bench_kernels_ragged_prefill_smoke():
