@@ -43,10 +43,12 @@ the next step that could reuse them runs after it on the device (kv_pages is thr
 Garbage collection: CPython's full (generation 2) collection walks every tracked object, and a
 warmed-up process holds 300-400k of them (JAX, the model, the compiled programs): 130-270 ms on
 the CPU here, 200-260 ms on the H200 host, where one full collection landed in every fourth
-offline run of bench_throughput (1.51-1.57 s against 1.30-1.34 s; docs/benchmarks.md). The loops
+offline run of bench_throughput (1.51-1.57 s against 1.27-1.34 s; docs/benchmarks.md). The loops
 that drive the engine (LLM.generate, the async engine's thread) run inside `frozen_heap()`,
 which moves the objects alive at entry out of the collector's reach (gc.freeze) and gives them
-back at exit, so a collection inside the loop walks only the objects the loop made.
+back at exit, so a collection inside the loop walks only the objects the loop made. A finished
+request leaves no cyclic garbage (its group drops its sequences once its last output is out):
+its objects go by reference counting and do not bring the next collection forward.
 
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
@@ -437,7 +439,11 @@ class Engine:
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
             touched[seq.group.request_id] = seq.group
-        return [self._output(g) for g in touched.values() if partial or g.finished]
+        outputs = [self._output(g) for g in touched.values() if partial or g.finished]
+        for g in touched.values():
+            if g.finished:  # its last output is out: drop the group -> seqs links, so that the
+                g.seqs = []  # request's objects go by reference counting, not the cyclic collector
+        return outputs
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
