@@ -157,7 +157,9 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            with frozen_heap():  # the objects alive when serving starts stay out of the collector's way
+            # The objects alive when serving starts stay out of the collector's way; the garbage
+            # among them is collected first, or it would stay until shutdown.
+            with frozen_heap(collect=True):
                 while not self._stop:
                     self._drain()
                     if not engine.has_unfinished():

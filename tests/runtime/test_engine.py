@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from dataclasses import replace
 
 import jax
@@ -584,8 +585,18 @@ def test_cancel_frees_pages_immediately(which, request, workload):
     check_idle(engine)
 
 
+class _Node:
+    pass
+
+
 def test_async_engine_streams_and_cancels(engine, workload):
     async def main():
+        # Garbage in a cycle when the loop starts is collected before the heap is frozen for the
+        # loop's lifetime, not kept until shutdown (automatic collections are off meanwhile).
+        node = _Node()
+        node.self = node
+        dead = weakref.ref(node)
+        del node
         ae = AsyncEngine(engine)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=30)
@@ -612,6 +623,7 @@ def test_async_engine_streams_and_cancels(engine, workload):
             stats = ae.stats()
             assert stats.num_aborted >= 2 and stats.num_running == 0
             assert gc.get_freeze_count() > 0  # the loop runs with the heap it started on frozen
+            assert dead() is None
             assert ae.health().healthy
             with pytest.raises(ValueError, match="max_model_len is 256"):
                 ae.submit(GenerationRequest(prompt_token_ids=[5] * 300, sampling_params=params))
@@ -620,7 +632,11 @@ def test_async_engine_streams_and_cancels(engine, workload):
         assert not ae.health().running
         assert gc.get_freeze_count() == 0  # and gives it back when it stops
 
-    asyncio.run(main())
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
     check_idle(engine)
 
 
