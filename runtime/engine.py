@@ -439,11 +439,7 @@ class Engine:
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
             touched[seq.group.request_id] = seq.group
-        outputs = [self._output(g) for g in touched.values() if partial or g.finished]
-        for g in touched.values():
-            if g.finished:  # its last output is out: drop the group -> seqs links, so that the
-                g.seqs = []  # request's objects go by reference counting, not the cyclic collector
-        return outputs
+        return [self._output(g) for g in touched.values() if partial or g.finished]
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -471,6 +467,8 @@ class Engine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 new_text=new_text, new_token_ids=new_ids,
             ))
+        if group.finished:  # its last output: drop the group -> seqs links, so that the request's
+            group.seqs = []  # objects go by reference counting, not the cyclic collector
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_ids), outs, group.finished,
                              group.first.num_cached_tokens)
 
