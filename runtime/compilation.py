@@ -151,11 +151,14 @@ class StepExecutor:
         strict: bool,
         burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
+        gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
         self.decode_steps = decode_steps
+        on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
+        self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
         self.strict = strict
         self._empty_batch = empty_batch
         self._vocab_size = vocab_size
@@ -214,6 +217,18 @@ class StepExecutor:
                      for sampler in BURST_SAMPLERS for penalties, logprobs in _BURST_VARIANTS]
         return keys
 
+    def compiler_options(self, key: tuple) -> dict:
+        """XLA options of one program: on a GPU, the model and burst programs of token buckets of at
+        least gpu_cublas_min_tokens run their matmuls with cuBLAS. XLA's Triton GEMMs win at a
+        few rows (batch-1 decode: 990 tok/s against 587 with cuBLAS on an H200), cuBLAS from a few
+        dozen (docs/benchmarks.md)."""
+        if self._cublas_min_tokens is not None and key[0] in ("model", "burst") and key[1] >= self._cublas_min_tokens:
+            return {"xla_gpu_enable_triton_gemm": False}
+        return {}
+
+    def _compile(self, key: tuple, lowered):
+        return lowered.compile(self.compiler_options(key) or None)
+
     def _abstract(self, a) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding)
 
@@ -247,7 +262,7 @@ class StepExecutor:
             futures = []
             for key in keys:
                 lowered = self._lower(key)  # tracing holds the GIL: one at a time
-                futures.append((key, pool.submit(lowered.compile)))
+                futures.append((key, pool.submit(self._compile, key, lowered)))
             for key, fut in futures:
                 self._executables[key] = fut.result()
                 bar.update(1)
@@ -273,7 +288,7 @@ class StepExecutor:
                 raise CompileAfterWarmupError(msg)
             logger.error("ALERT: %s", msg)
             self.num_compiles_after_warmup += 1
-        exe = self._executables[key] = self._lower(key).compile()
+        exe = self._executables[key] = self._compile(key, self._lower(key))
         return exe
 
     def __call__(self, params, kv_pages, batch: PackedBatch, prev_tokens: jax.Array | None = None,

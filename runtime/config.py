@@ -67,6 +67,10 @@ class EngineConfig:
     decode_steps: int = 1
     token_buckets: tuple[int, ...] | None = None  # T values compiled; None: default_token_buckets
     seq_buckets: tuple[int, ...] | None = None  # S values compiled; None: default_seq_buckets
+    # On NVIDIA GPUs: step programs whose token bucket T is at least this compile their matmuls with
+    # cuBLAS instead of XLA's Triton GEMM emitter (XLA option xla_gpu_enable_triton_gemm=False);
+    # None: every program keeps XLA's choice. See docs/benchmarks.md ("sixteenth session").
+    gpu_cublas_min_tokens: int | None = 64
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
     max_stop_token_ids: int = 16  # EOS + stop token ids banned while below min_tokens (fixed width)
     dtype: str = "auto"  # weights and compute: auto (the checkpoint's), float32, bfloat16, float16
@@ -82,7 +86,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "gpu_cublas_min_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")

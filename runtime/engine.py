@@ -212,7 +212,7 @@ class Engine:
             table=self.buckets, empty_batch=self.packer.empty, vocab_size=cfg.vocab_size,
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
             burst_fn=make_burst_fn(model.forward, cfg.vocab_size) if config.decode_steps > 1 else None,
-            decode_steps=config.decode_steps,
+            decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import copy_bandwidth, git_commit  # noqa: E402
+from benchlib import add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit  # noqa: E402
 
 
 
@@ -201,7 +201,7 @@ def run_child(args) -> dict:
         cfg = EngineConfig(max_num_seqs=Bmax, max_num_batched_tokens=token_buckets[-1], page_size=G,
                            num_pages=num_pages, max_model_len=max_model_len, token_buckets=token_buckets,
                            seq_buckets=tuple(batches), dtype="bfloat16", warmup=False, progress=False,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, **cublas_kwargs(args.gpu_cublas_min_tokens))
         engine = Engine(loaded, cfg)
         ex = engine.executor
         info = {"param_bytes": param_bytes, "weights_read_bytes": weights_read, "embed_bytes": embed_bytes,
@@ -234,17 +234,21 @@ def run_child(args) -> dict:
         # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
         t0 = time.perf_counter()
         jobs = []
+        def step_job(T, S):  # the engine's model program, with the engine's XLA options
+            key = ("model", T, S)
+            return lambda lowered=ex._lower(key): ex._compile(key, lowered)
+
         for B in batches:
-            jobs.append((("step", B), ex._lower(("model", B, B))))
+            jobs.append((("step", B), step_job(B, B)))
             if B in args.model_batches:
                 b = make_batch(B).step
                 jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
-                                                           b.attn, b.logits_indices)))
+                                                           b.attn, b.logits_indices).compile))
         if 1 in batches and not args.no_engine:
-            jobs.append((("step", (prefill_T, 1)), ex._lower(("model", prefill_T, 1))))
+            jobs.append((("step", (prefill_T, 1)), step_job(prefill_T, 1)))
         compiled = {}
         with ThreadPoolExecutor(4) as pool:
-            futs = [(k, pool.submit(lw.compile)) for k, lw in jobs]
+            futs = [(k, pool.submit(job)) for k, job in jobs]
             for k, f in futs:
                 compiled[k] = f.result()
         for k, exe in compiled.items():
@@ -386,7 +390,8 @@ def _child_cmd(args, out: str, models, batches, model_batches, no_engine: bool) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", out, "--models", *models,
            "--batches", *map(str, batches), "--model-batches", *map(str, model_batches), "--ctx", str(args.ctx),
            "--steps", str(args.steps), "--page-size", str(args.page_size), "--copy-elems", str(args.copy_elems),
-           "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps), "--decode-steps", str(args.decode_steps)]
+           "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps), "--decode-steps", str(args.decode_steps),
+           "--gpu-cublas-min-tokens", str(args.gpu_cublas_min_tokens)]
     if args.profile and out.endswith("main.json"):
         cmd += ["--profile", args.profile]
     return cmd + (["--no-engine"] if no_engine else [])
@@ -419,6 +424,7 @@ def main() -> None:
                     help="also trace 20 batch-1 steps (model and step) with jax.profiler into DIR and list the kernels")
     ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")
     ap.add_argument("--variant-models", nargs="+", default=None, help="models of the flag variants (default: the first)")
+    add_cublas_arg(ap)
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import copy_bandwidth, git_commit, matmul_flops  # noqa: E402
+from benchlib import add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit, matmul_flops  # noqa: E402
 
 
 def repeat_seed(args, r: int) -> int:
@@ -94,6 +94,7 @@ def run_xla(args) -> dict:
         cfg["num_pages"] = args.num_pages
     if args.decode_steps is not None:
         cfg["decode_steps"] = args.decode_steps
+    cfg.update(cublas_kwargs(args.gpu_cublas_min_tokens))
     t0 = time.perf_counter()
     llm = LLM(f"dummy:{args.model}", **cfg)
     init_s = time.perf_counter() - t0
@@ -130,6 +131,7 @@ def run_xla(args) -> dict:
         **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
         "wrong_length": bad[:5], "repeats": args.repeats,
         "decode_steps": eng.config.decode_steps,
+        "gpu_cublas_min_tokens": eng.config.gpu_cublas_min_tokens,
         "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run
         "bursts": (st2.num_bursts - st1.num_bursts) / args.repeats,  # per run, of the steps
         "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
@@ -285,6 +287,7 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=None,
                     help="top-n logprobs per token; xlaserve only (needs --skip hf)")
     ap.add_argument("--hf-batch", type=int, default=256, help="prompts per HF generate call")
+    add_cublas_arg(ap)
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
     ap.add_argument("--matmul-size", type=int, default=8192, help="m of the bf16 m x m x m matmul ceiling")

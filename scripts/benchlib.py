@@ -11,6 +11,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def add_cublas_arg(ap) -> None:
+    """--gpu-cublas-min-tokens: EngineConfig.gpu_cublas_min_tokens, a token count, 'none' (XLA's own
+    GEMM choice in every program) or 'default' (the engine's). engine_kwargs() turns it into config."""
+
+    def min_tokens(v: str):
+        if v in ("default", "none"):
+            return v
+        if not v.isdigit() or int(v) <= 0:
+            raise ValueError(v)
+        return int(v)
+
+    ap.add_argument("--gpu-cublas-min-tokens", type=min_tokens, default="default", metavar="N|none|default",
+                    help="step programs of token buckets >= N run their matmuls with cuBLAS (NVIDIA GPUs)")
+
+
+def cublas_kwargs(value) -> dict:
+    """EngineConfig keyword arguments for a --gpu-cublas-min-tokens value."""
+    return {} if value == "default" else {"gpu_cublas_min_tokens": None if value == "none" else value}
+
+
 def git_commit() -> str:
     """Short HEAD (+dirty), or $BENCH_COMMIT: the device machine's copy of the tree has no .git."""
     if os.environ.get("BENCH_COMMIT"):

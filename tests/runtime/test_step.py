@@ -321,6 +321,38 @@ def test_step_programs_never_wait_for_the_device(executor):
         assert all("known_trip_count" in line for line in loops), key
 
 
+def _compile_options_seen(monkeypatch) -> list:
+    """Patches jax's Lowered.compile to record (program name, options) for every compile."""
+    seen, compile_ = [], jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None, **kw):
+        seen.append((self.as_text().split("@", 2)[1].split(" ")[0], compiler_options))
+        return compile_(self, compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    return seen
+
+
+def test_gpu_cublas_option_stays_off_other_backends(tiny_model, monkeypatch):
+    """EngineConfig.gpu_cublas_min_tokens is an XLA GPU option: on the CPU no program gets it."""
+    m = tiny_model
+    if m.mesh.devices.flat[0].platform == "gpu":
+        pytest.skip("the CPU's side of the option; tests/runtime/test_engine_gpu.py has the GPU's")
+    seen = _compile_options_seen(monkeypatch)
+    kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh))
+    table = BucketTable((16, 32), (2,))
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select, slots=2)
+    ex = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh, table=table,
+                      empty_batch=packer.empty, vocab_size=m.config.vocab_size, max_logprobs=5, strict=True,
+                      burst_fn=make_burst_fn(m.forward, m.config.vocab_size), decode_steps=2,
+                      gpu_cublas_min_tokens=1)
+    assert all(ex.compiler_options(k) == {} for k in ex.program_keys())
+    ex.warmup(progress=False)
+    assert len(seen) == len(ex.program_keys()) and {o for _, o in seen} == {None}
+    with pytest.raises(ValueError, match="gpu_cublas_min_tokens must be None or a positive int, got 0"):
+        EngineConfig(gpu_cublas_min_tokens=0)
+
+
 def test_strict_executor_refuses_to_compile_after_warmup(executor):
     ex, packer, kv = executor
     with pytest.raises(CompileAfterWarmupError, match=r"model program \(T=64, S=2\) was not compiled at warmup"):

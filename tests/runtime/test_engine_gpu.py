@@ -1,0 +1,58 @@
+"""The engine on an NVIDIA GPU: EngineConfig.gpu_cublas_min_tokens. Run on a GPU host with
+JAX_PLATFORMS=cuda,cpu (the device tool)."""
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.checkpoint import load_model
+from runtime.llm import LLM
+from runtime.request import SamplingParams
+from sharding.mesh import MeshConfig
+from tests.runtime.test_step import _compile_options_seen
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="needs an NVIDIA GPU")]
+
+CFG = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(8, 64), seq_buckets=(8,), max_model_len=128,
+           strict_compile=True, progress=False, decode_steps=4)
+NO_TRITON = {"xla_gpu_enable_triton_gemm": False}
+
+
+def test_cublas_from_the_token_bucket_up_with_the_same_tokens(monkeypatch):
+    """Programs of token buckets >= gpu_cublas_min_tokens compile without XLA's Triton GEMMs, the
+    others keep them; greedy outputs and their logprobs agree with XLA's own choice everywhere."""
+    m = load_model("dummy:smollm2_135m", mesh=MeshConfig().make_mesh(_gpus()), dtype="bfloat16", seed=0)
+    prompts = np.random.default_rng(0).integers(1, m.config.vocab_size, (6, 40)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = {}
+    for min_tokens in (None, 64):
+        seen = _compile_options_seen(monkeypatch)
+        llm = LLM(m, **CFG, gpu_cublas_min_tokens=min_tokens)
+        e = llm.engine
+        try:
+            keys = e.executor.program_keys()
+            assert len(seen) == len(keys)
+            want = {k: NO_TRITON if min_tokens and k[0] in ("model", "burst") and k[1] >= min_tokens else {}
+                    for k in keys}
+            assert {k: e.executor.compiler_options(k) for k in keys} == want
+            assert sorted(map(str, (o or {} for _, o in seen))) == sorted(map(str, want.values()))
+            text = e.executor._executables[("model", 64, 8)].as_text()
+            assert ("__triton_gemm" in text) == (min_tokens is None), "T = 64 program: Triton GEMM fusions"
+            outs[min_tokens] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            e.close()
+        monkeypatch.undo()
+    for a, b in zip(outs[None], outs[64]):
+        la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
+        lb = [lp[t] for lp, t in zip(b.logprobs, b.token_ids)]
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        assert n >= 4, (a.token_ids, b.token_ids)  # bf16 rounding may part them later, at a near-tie
+        np.testing.assert_allclose(la[:n], lb[:n], atol=0.05)
