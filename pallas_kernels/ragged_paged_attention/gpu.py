@@ -69,7 +69,7 @@ def prefill_shaped(T: int, S: int) -> bool:
 
 
 def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
-    T, N, _ = q.shape
+    T, N, H = q.shape
     _, G, K2, _ = kv_pages.shape
     K = K2 // 2
     S, P_max = page_indices.shape
@@ -81,16 +81,25 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     bq = max(1, min(rows // q_per_kv if q_per_kv < rows else 1, T))
     # H200 sweeps (docs/kernels/ragged_paged_attention.md): 64 keys per step, 4 warps, 2 stages and
     # about 2 programs per SM (64 x 4k: 1 split; 8 x 32k: 8) were best or within run-to-run noise
-    # (~4%) of the best at 64 x 4k and 8 x 32k with pages of 16 and 64.
-    # Pages per block: a power of two (Triton's key block must be one), at most the page table's
-    # width (a 40-token prompt's table of 3 pages takes 2, not 3).
-    ppb = 1 << (max(1, min(P_max, 64 // G)).bit_length() - 1)
+    # (~4%) of the best at 64 x 4k and 8 x 32k with pages of 16 and 64 (head dim 128).
+    ppb = _pages_per_block(64, G, P_max)
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
     splits = next_pow2(pl.cdiv(2 * _num_sms(), items * K))
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, 4 * ppb * G)))
+    if splits == 1 and not prefill_shaped(T, S):
+        # Decode batches that fill the GPU without splits: K tiles of 8k elements (128 keys at head
+        # dim 64) were 3-6% faster than 64 keys at 256 sequences x 512-768 keys of llama3_2_1b
+        # (H200, docs/benchmarks.md "sixteenth session"); at head dim 128 this stays 64.
+        ppb = _pages_per_block(max(64, 8192 // H), G, P_max)
     return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_splits=splits,
                       num_warps=4, num_stages=2)
+
+
+def _pages_per_block(keys: int, G: int, P_max: int) -> int:
+    """Pages per key block for about `keys` keys: a power of two (Triton's key block must be one), at
+    most the page table's width (a 40-token prompt's table of 3 pages takes 2, not 3)."""
+    return 1 << (max(1, min(P_max, keys // G)).bit_length() - 1)
 
 
 def _check_head_dim(H: int):

@@ -215,6 +215,33 @@ def test_gpu_default_block_sizes_stack_prefill_rows():
                                atol=atol, rtol=rtol)
 
 
+def test_gpu_default_block_sizes_decode_batches():
+    """A decode batch that fills the GPU without splitting keys reads K tiles of 8k elements: 128
+    keys a block at head dim 64, 64 at 128; a batch-1 decode keeps 64 keys and splits. The 128-key
+    default matches the reference."""
+    def keys_and_splits(S, H, N=32, K=8, G=16, P_max=48):
+        bs = gpu.default_block_sizes(jnp.zeros((S, N, H), jnp.bfloat16), jnp.zeros((4, G, 2 * K, H), jnp.bfloat16),
+                                     jnp.zeros((S, P_max), jnp.int32))
+        return bs.kv_pages_per_block * G, bs.kv_splits
+
+    assert keys_and_splits(256, 64) == (128, 1)
+    assert keys_and_splits(256, 128) == (64, 1)
+    assert keys_and_splits(1, 64)[0] == 64 and keys_and_splits(1, 64)[1] > 1
+    assert keys_and_splits(256, 64, P_max=3) == (32, 1)  # no wider than the page table
+    shape = Shape(N=4, K=4, H=64, T=72, S=72, P_max=12)  # 72 sequences x 4 KV heads: no splits
+    rng = np.random.default_rng(7)
+    q_lens = (1,) * 72
+    args, n_real = make_inputs(shape, Batch(q_lens, tuple(int(x) for x in rng.integers(1, 193, 72))), jnp.bfloat16,
+                               seed=7)
+    bs = gpu.default_block_sizes(args[0], args[1], args[3])
+    assert (bs.kv_pages_per_block * shape.G, bs.kv_splits) == (128, 1)
+    ref = jax.jit(functools.partial(ref_ragged_paged_attention, **_opts(shape)))(*args)
+    out = gpu.ragged_paged_attention(*args, **_opts(shape), interpret=True)
+    atol, rtol = tol(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:n_real], np.asarray(ref, np.float32)[:n_real],
+                               atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("pages_per_seq", [1, 2, 3, 5, 7, 9])
 def test_gpu_default_block_sizes_fit_any_page_table(pages_per_seq, page_size):
