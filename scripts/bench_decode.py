@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -234,9 +235,10 @@ def run_child(args) -> dict:
         # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
         t0 = time.perf_counter()
         jobs = []
-        def step_job(T, S):  # the engine's model program, with the engine's XLA options
+
+        def step_job(T, S):  # the engine's model program, compiled with the engine's XLA options
             key = ("model", T, S)
-            return lambda lowered=ex._lower(key): ex._compile(key, lowered)
+            return functools.partial(ex._compile, key, ex._lower(key))
 
         for B in batches:
             jobs.append((("step", B), step_job(B, B)))

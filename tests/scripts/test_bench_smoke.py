@@ -45,8 +45,9 @@ def test_bench_throughput_smoke(tmp_path):
                "--output-len", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8",
                "64", "--seq-buckets", "4", "--repeats", "2", "--skip", "hf", "--copy-elems", str(1 << 20),
                "--matmul-size", "256", "--frequency-penalty", "0.5", "--logprobs", "2",
-               out=tmp_path / "throughput.json")
+               "--gpu-cublas-min-tokens", "none", out=tmp_path / "throughput.json")
     x = res["xla"]
+    assert x["gpu_cublas_min_tokens"] is None
     assert x["output_tokens"] == 4 * 8 and x["wrong_length"] == [] and x["compiles_after_warmup"] == 0
     # penalized rows asking for logprobs decode in bursts; every token carries its logprobs (wrong_length)
     assert res["workload"]["frequency_penalty"] == 0.5 and res["workload"]["logprobs"] == 2 and x["bursts"] > 0
