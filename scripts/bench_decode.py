@@ -52,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit, kernel_summary, print_kernel_summary)
 
 
 
@@ -112,13 +113,8 @@ def decode_stamps(engine, prompt: list[int], max_tokens: int) -> list[tuple[floa
 
 
 def profile_kernels(call, state, n: int, trace_dir: str) -> tuple[dict, object]:
-    """Trace n back-to-back calls with jax.profiler (Perfetto JSON) and sum the device kernels' time:
-    per-step busy time (union of kernel intervals), span (first kernel start to last kernel end),
-    and the kernels that take the most time, by name with numeric suffixes dropped."""
-    import glob
-    import gzip
-    import re
-
+    """Trace n back-to-back calls with jax.profiler and summarize the device kernels per call
+    (benchlib.kernel_summary)."""
     import jax
 
     jax.block_until_ready(state)
@@ -126,41 +122,7 @@ def profile_kernels(call, state, n: int, trace_dir: str) -> tuple[dict, object]:
         for _ in range(n):
             state = call(state)
         jax.block_until_ready(state)
-    files = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-    if not files:
-        return {"error": "no perfetto_trace.json.gz written"}, state
-    ev = json.load(gzip.open(sorted(files)[-1]))
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    pname = {e["pid"]: e.get("args", {}).get("name", "") for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, nm in pname.items() if "/device:" in nm or "GPU" in nm}
-    tname = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in ev
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
-    streams = [e for e in ks if tname.get((e["pid"], e.get("tid")), "").startswith("Stream")]
-    threads = sorted({tname.get((e["pid"], e.get("tid")), "") for e in ks})
-    ks = streams or ks  # kernels and copies on CUDA streams, not the derived "XLA Ops"/"XLA Modules" lines
-    if not ks:
-        return {"error": "no device events", "processes": sorted(set(pname.values()))[:20]}, state
-    ks.sort(key=lambda e: e["ts"])
-    busy, cur_s, cur_e = 0.0, None, None
-    for e in ks:
-        s0, e0 = e["ts"], e["ts"] + e["dur"]
-        if cur_e is None or s0 > cur_e:
-            busy += 0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s0, e0
-        else:
-            cur_e = max(cur_e, e0)
-    busy += cur_e - cur_s
-    span = max(e["ts"] + e["dur"] for e in ks) - ks[0]["ts"]
-    by = {}
-    for e in ks:
-        k = re.sub(r"[._]\d+$", "", e["name"])[:60]
-        t, c = by.get(k, (0.0, 0))
-        by[k] = (t + e["dur"], c + 1)
-    top = sorted(by.items(), key=lambda kv: -kv[1][0])[:14]
-    return {"steps": n, "kernels_per_step": len(ks) / n, "busy_us_per_step": busy / n, "span_us_per_step": span / n,
-            "processes": sorted({pname[p] for p in gpu}), "threads": threads[:12],
-            "top": [{"name": k, "us_per_step": t / n, "count_per_step": c / n} for k, (t, c) in top]}, state
+    return kernel_summary(trace_dir, n), state
 
 
 def run_child(args) -> dict:
@@ -310,14 +272,7 @@ def run_child(args) -> dict:
                         prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_{k}")
                     except Exception as e:  # a failed trace is a result, not a crash
                         prof[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    p = prof[k]
-                    if "top" in p:
-                        print(f"{name} B=1 {k}: {p['kernels_per_step']:.0f} kernels/step, device busy "
-                              f"{p['busy_us_per_step']:.0f} us of {p['span_us_per_step']:.0f} us span per step", flush=True)
-                        for t in p["top"]:
-                            print(f"    {t['us_per_step']:8.1f} us  x{t['count_per_step']:5.1f}  {t['name']}", flush=True)
-                    else:
-                        print(f"{name} B=1 {k} profile: {p}", flush=True)
+                    print_kernel_summary(f"{name} B=1 {k}", prof[k])
                 row["profile"] = prof
             res["rows"].append(row)
             print(_fmt_row(row), flush=True)

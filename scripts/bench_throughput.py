@@ -24,6 +24,9 @@ sets EngineConfig.decode_steps; 1 turns them off), one short warm-up generate, t
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
 step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
 no tokenizer). Full garbage collections inside each timed run are reported with their pauses.
+`--profile DIR` then traces one more run (fresh prompts, not in the timings) with jax.profiler and
+lists the device kernels that took the most time in it, with their counts, and the device's busy
+time against the run's span (`result["xla"]["profile"]`; a CPU trace has no device kernels).
 
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
@@ -54,7 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit, matmul_flops  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_cublas_arg, copy_bandwidth, cublas_kwargs, git_commit, kernel_summary, matmul_flops, print_kernel_summary)
 
 
 def repeat_seed(args, r: int) -> int:
@@ -122,6 +126,7 @@ def run_xla(args) -> dict:
                                                    or min(map(len, o.outputs[0].logprobs)) < args.logprobs))]
         eng.check_invariants()
     st2 = eng.stats()
+    profile = profile_run(llm, args, mc.vocab_size, params) if args.profile else None
     dev = jax.devices()[0]
     res = {
         "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
@@ -139,11 +144,32 @@ def run_xla(args) -> dict:
         "compiles_after_warmup": st2.num_compiles_after_warmup,
         "full_gc_ms_runs": full_gcs,  # each timed run's full (generation 2) garbage collections
     }
+    if profile is not None:
+        res["profile"] = profile
     del llm, eng  # the KV pool: room for the ceiling measurements
     gc.collect()
     res.update(physical_floor(mc, args, copy_bandwidth(args.copy_elems)["copy_bytes_per_s"],
                               matmul_flops(args.matmul_size)["matmul_flops_per_s"]))
     return res
+
+
+def profile_run(llm, args, vocab_size: int, params) -> dict:
+    """One more run of the workload (fresh prompts, untimed) traced with jax.profiler into
+    --profile: where the device's time went in the whole run (benchlib.kernel_summary), printed."""
+    import jax
+
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, repeat_seed(args, args.repeats))
+    steps0 = llm.engine.stats().num_steps
+    t0 = time.perf_counter()
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+        llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    llm.engine.check_invariants()
+    prof = {"traced_wall_s": wall, "engine_steps": llm.engine.stats().num_steps - steps0,
+            **kernel_summary(args.profile, 1, top=args.profile_top)}
+    print(f"traced run: {wall:.2f} s wall (tracing included), {prof['engine_steps']} engine steps", flush=True)
+    print_kernel_summary("traced run", prof, unit="run")
+    return prof
 
 
 @contextlib.contextmanager
@@ -291,12 +317,17 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "xla"])
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
     ap.add_argument("--matmul-size", type=int, default=8192, help="m of the bf16 m x m x m matmul ceiling")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed runs, trace one more xlaserve run into DIR and list its kernels")
+    ap.add_argument("--profile-top", type=int, default=20, help="kernel names listed with --profile")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", choices=["hf", "xla"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.profile_top < 1:
+        ap.error(f"--profile-top must be >= 1, got {args.profile_top}")
     if (args.presence_penalty or args.frequency_penalty) and "hf" not in args.skip:
         ap.error("HF generate has no presence or frequency penalty: add --skip hf")
     if args.logprobs is not None and "hf" not in args.skip:

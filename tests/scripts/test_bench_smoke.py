@@ -45,9 +45,14 @@ def test_bench_throughput_smoke(tmp_path):
                "--output-len", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8",
                "64", "--seq-buckets", "4", "--repeats", "2", "--skip", "hf", "--copy-elems", str(1 << 20),
                "--matmul-size", "256", "--frequency-penalty", "0.5", "--logprobs", "2",
-               "--gpu-cublas-min-tokens", "none", out=tmp_path / "throughput.json")
+               "--gpu-cublas-min-tokens", "none", "--profile", str(tmp_path / "trace"),
+               out=tmp_path / "throughput.json")
     x = res["xla"]
     assert x["gpu_cublas_min_tokens"] is None
+    # one more run, traced: a CPU trace has no device kernels, so the summary says so
+    prof = x["profile"]
+    assert _positive(prof["traced_wall_s"]) and prof["engine_steps"] > 0
+    assert prof["error"] == "no device events" and list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))
     assert x["output_tokens"] == 4 * 8 and x["wrong_length"] == [] and x["compiles_after_warmup"] == 0
     # penalized rows asking for logprobs decode in bursts; every token carries its logprobs (wrong_length)
     assert res["workload"]["frequency_penalty"] == 0.5 and res["workload"]["logprobs"] == 2 and x["bursts"] > 0
@@ -56,6 +61,39 @@ def test_bench_throughput_smoke(tmp_path):
     lo, hi = x["output_tok_s_range"]
     assert lo <= x["output_tok_s"] <= hi
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
+
+
+def test_kernel_summary_of_a_device_trace(tmp_path):
+    """benchlib.kernel_summary on a hand-made perfetto trace: kernels on the device's streams only
+    (not the host's, not the derived XLA Ops line), busy = the union of their intervals, names
+    grouped without numeric suffixes, figures per step."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib import kernel_summary
+
+    def meta(kind, pid, name, tid=None):
+        return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+    def x(pid, tid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+    events = [meta("process_name", 1, "/host:CPU"), meta("process_name", 2, "/device:GPU:0"),
+              meta("thread_name", 2, "Stream #7(compute)", 7), meta("thread_name", 2, "Stream #9(copy)", 9),
+              meta("thread_name", 2, "XLA Ops", 3), meta("thread_name", 1, "python", 1),
+              x(1, 1, "host_work", 0, 1000),
+              x(2, 3, "gemm_fusion_dot.3", 10, 60),  # the derived line: not counted
+              x(2, 7, "gemm_fusion_dot.3", 10, 20), x(2, 7, "fusion.12", 30, 10), x(2, 7, "gemm_fusion_dot.7", 100, 40),
+              x(2, 9, "memcpy", 35, 15)]  # overlaps fusion.12: busy 10-50 and 100-140
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = kernel_summary(str(tmp_path), steps=2, top=2)
+    assert s["kernels_per_step"] == 2 and s["busy_us_per_step"] == 40 and s["span_us_per_step"] == 65
+    assert s["top"] == [{"name": "gemm_fusion_dot", "us_per_step": 30, "count_per_step": 1},
+                        {"name": "memcpy", "us_per_step": 7.5, "count_per_step": 0.5}]
+    assert s["processes"] == ["/device:GPU:0"]
+    assert kernel_summary(str(tmp_path / "plugins" / "none"), steps=1) == {"error": "no perfetto_trace.json.gz written"}
 
 
 def test_full_gc_pauses_counts_full_collections_in_its_body_only():
