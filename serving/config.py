@@ -37,7 +37,7 @@ class ServerConfig:
     max_waiting_requests: int = 256  # requests accepted but not yet started; beyond: 429 / RESOURCE_EXHAUSTED
     max_waiting_tokens: int = 262144  # prompt tokens of those requests
     max_body_bytes: int = 4 * 2**20  # HTTP request body
-    max_n: int = 16  # sequences per request
+    max_n: int = 16  # sequences per request (n; with a batch of prompts, prompts x n)
     max_stop: int = 16  # stop strings plus stop token ids per request
     max_prompt_chars: int = 1_000_000  # text before tokenizing (tokenizing is linear in it)
     retry_after_s: float = 1.0  # Retry-After sent with 429

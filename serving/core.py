@@ -330,6 +330,25 @@ class ServingCore:
         live.task = asyncio.create_task(self._pump(live, stream), name=f"pump-{rid}")
         return RequestStream(self, live, ids, spec.timeout_s)
 
+    async def submit_batch(self, specs: Sequence[GenerationSpec]) -> list[RequestStream]:
+        """Submit several prompts of one client request (OpenAI completions with a list of prompts),
+        all or none: their sequences (n each) count against max_n together, and if one prompt is
+        refused, the ones already submitted are cancelled and its error is raised."""
+        total = sum(spec.params.n for spec in specs)
+        if total > self.config.max_n:
+            self.metrics.request_failed("invalid")
+            raise InvalidRequest(f"the {len(specs)} prompts ask for {total} sequences in all (n for each); max_n "
+                                 f"is {self.config.max_n}", param="prompt")
+        streams: list[RequestStream] = []
+        try:
+            for spec in specs:
+                streams.append(await self.submit(spec))
+        except BaseException:
+            for st in streams:
+                st.close()
+            raise
+        return streams
+
     async def _pump(self, live: _Live, stream) -> None:
         m = self.metrics
         try:

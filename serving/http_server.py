@@ -3,7 +3,7 @@
     GET  /health                 200 {"status": "ok"} | 503 {"status": "<why>"}   (no API key needed)
     GET  /metrics                Prometheus text
     GET  /v1/models, /v1/models/{model}
-    POST /v1/completions         prompt: a string or token ids
+    POST /v1/completions         prompt: a string, token ids, or a list of those (choice index = prompt x n + i)
     POST /v1/chat/completions    messages rendered with the model's chat template
     POST /tokenize               {"prompt": ...} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}
 
@@ -170,25 +170,65 @@ class _Api:
     # -- generation -----------------------------------------------------------------------------
     async def _generate(self, request: Request, req: ParsedRequest, prefix: str) -> Response:
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        spec = GenerationSpec(params=req.params, text=req.text, token_ids=req.token_ids, messages=req.messages,
-                              request_id=rid, priority=req.priority, cache_salt=req.cache_salt)
-        stream = await self.core.submit(spec)
-        fmt = _Formatter(req, rid, self._served(), len(stream.prompt_token_ids), self.text_of())
+        common = dict(params=req.params, request_id=rid, priority=req.priority, cache_salt=req.cache_salt)
+        if req.prompts is None:
+            streams = [await self.core.submit(GenerationSpec(text=req.text, token_ids=req.token_ids,
+                                                             messages=req.messages, **common))]
+        else:  # a batch: one engine request per prompt
+            streams = await self.core.submit_batch([
+                GenerationSpec(**{**common, "request_id": f"{rid}-{i}"},
+                               **({"text": p} if isinstance(p, str) else {"token_ids": p}))
+                for i, p in enumerate(req.prompts)])
+        fmt = _Formatter(req, rid, self._served(), [len(st.prompt_token_ids) for st in streams], self.text_of())
         if req.stream:
-            return _SSEResponse(stream, fmt)
+            return _SSEResponse(streams, fmt)
         try:
-            final = await _until_disconnect(request, _last(stream))
+            finals = await _until_disconnect(request, _finals(streams))
         finally:
-            stream.close()
-        if final is None:  # the client went away; nobody reads this
+            for st in streams:
+                st.close()
+        if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(fmt.full(final))
+        return JSONResponse(fmt.full(finals))
 
 
-async def _last(stream):
-    last = None
-    async for out in stream:
-        last = out
+async def _merged(streams):
+    """(prompt index, output) from the prompts' streams, in the order they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream) -> None:
+        try:
+            async for out in stream:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - a ServingError (deadline, engine stopped): the reader raises it
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _finals(streams) -> list:
+    """Each prompt's last output."""
+    last = [None] * len(streams)
+    async for i, out in _merged(streams):
+        last[i] = out
     return last
 
 
@@ -216,24 +256,25 @@ async def _until_disconnect(request: Request, coro):
 class _SSEResponse(StreamingResponse):
     """Closes (cancels) the request however the response ends, even if the body never started."""
 
-    def __init__(self, stream, fmt: _Formatter) -> None:
-        super().__init__(_sse_body(stream, fmt), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        self._stream = stream
+    def __init__(self, streams: list, fmt: _Formatter) -> None:
+        super().__init__(_sse_body(streams, fmt), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.close()
+            for st in self._streams:
+                st.close()
 
 
-async def _sse_body(stream, fmt: _Formatter):
+async def _sse_body(streams: list, fmt: _Formatter):
     try:
         for chunk in fmt.head():
             yield sse.event(chunk)
         try:
-            async for out in stream:
-                for chunk in fmt.deltas(out):
+            async for i, out in _merged(streams):
+                for chunk in fmt.deltas(out, i):
                     yield sse.event(chunk)
         except ServingError as e:  # after the 200 header: report it in the stream, as OpenAI does
             yield sse.event(e.envelope())
@@ -243,23 +284,27 @@ async def _sse_body(stream, fmt: _Formatter):
             yield sse.event(fmt.usage_chunk())
         yield sse.DONE
     finally:
-        stream.close()
+        for st in streams:
+            st.close()
 
 
 class _Formatter:
-    """Builds OpenAI response objects (whole, or stream chunks) from engine outputs."""
+    """Builds OpenAI response objects (whole, or stream chunks) from engine outputs: one output
+    stream per prompt; sample j of prompt i is choice i * n + j."""
 
-    def __init__(self, req: ParsedRequest, rid: str, model: str, num_prompt: int, text_of: TokenText) -> None:
-        self.req, self.rid, self.model, self.num_prompt, self.text_of = req, rid, model, num_prompt, text_of
+    def __init__(self, req: ParsedRequest, rid: str, model: str, num_prompt: list[int], text_of: TokenText) -> None:
+        self.req, self.rid, self.model, self.text_of = req, rid, model, text_of
+        self.num_prompt = sum(num_prompt)
         self.created = int(time.time())
         self.chat = req.kind == "chat"
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.n = req.params.n
         self.k = req.params.logprobs or 0
         self.want_logprobs = req.params.logprobs is not None
         self.completion_tokens = 0
-        self.cached = 0
+        self.cached = [0] * len(num_prompt)  # per prompt
         self.finished: set[int] = set()
-        self.offsets = [0] * req.params.n  # completions text_offset per choice
+        self.offsets = [0] * (self.n * len(num_prompt))  # completions text_offset per choice
 
     def _chunk(self, choices: list) -> dict:
         c = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
@@ -271,13 +316,14 @@ class _Formatter:
         if not self.chat:
             return []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(self.req.params.n)]
+                              "finish_reason": None}]) for i in range(self.n)]
 
-    def deltas(self, out) -> list[dict]:
+    def deltas(self, out, prompt: int = 0) -> list[dict]:
         chunks = []
-        self.cached = out.num_cached_tokens
+        self.cached[prompt] = out.num_cached_tokens
         for co in out.outputs:
-            newly_done = co.finish_reason is not None and co.index not in self.finished
+            index = prompt * self.n + co.index
+            newly_done = co.finish_reason is not None and index not in self.finished
             if not (co.new_token_ids or co.new_text or newly_done):
                 continue
             self.completion_tokens += len(co.new_token_ids)
@@ -287,15 +333,15 @@ class _Formatter:
                 if self.chat:
                     lp = chat_logprobs(co.new_token_ids, rows, self.k, self.text_of)
                 else:
-                    lp = completion_logprobs(co.new_token_ids, rows, self.k, self.text_of, self.offsets[co.index])
-                    self.offsets[co.index] += sum(len(t) for t in lp["tokens"])
+                    lp = completion_logprobs(co.new_token_ids, rows, self.k, self.text_of, self.offsets[index])
+                    self.offsets[index] += sum(len(t) for t in lp["tokens"])
             if newly_done:
-                self.finished.add(co.index)
+                self.finished.add(index)
             if self.chat:
                 delta = {"content": co.new_text} if (co.new_text or not newly_done) else {}
-                choice = {"index": co.index, "delta": delta, "logprobs": lp, "finish_reason": co.finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": co.finish_reason}
             else:
-                choice = {"index": co.index, "text": co.new_text, "logprobs": lp, "finish_reason": co.finish_reason}
+                choice = {"index": index, "text": co.new_text, "logprobs": lp, "finish_reason": co.finish_reason}
             if newly_done and co.stop_reason is not None:
                 choice["stop_reason"] = co.stop_reason
             chunks.append(self._chunk([choice]))
@@ -303,25 +349,33 @@ class _Formatter:
 
     def usage_chunk(self) -> dict:
         return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(self.num_prompt, self.completion_tokens, self.cached)}
+                "usage": usage(self.num_prompt, self.completion_tokens, sum(self.cached))}
 
-    def full(self, out) -> dict:
+    def full(self, outs: list) -> dict:
+        """The whole response from each prompt's final output."""
+        choices = []
+        for prompt, out in enumerate(outs):
+            choices += self._choices(prompt, out)
+        n_out = sum(len(co.token_ids) for out in outs for co in out.outputs)
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(self.num_prompt, n_out, sum(out.num_cached_tokens for out in outs))}
+
+    def _choices(self, prompt: int, out) -> list[dict]:
         choices = []
         for co in out.outputs:
+            index = prompt * self.n + co.index
             lp = None
             if self.want_logprobs:
                 rows = co.logprobs or []
                 lp = (chat_logprobs(co.token_ids, rows, self.k, self.text_of) if self.chat
                       else completion_logprobs(co.token_ids, rows, self.k, self.text_of))
             if self.chat:
-                choice = {"index": co.index, "message": {"role": "assistant", "content": co.text}, "logprobs": lp,
+                choice = {"index": index, "message": {"role": "assistant", "content": co.text}, "logprobs": lp,
                           "finish_reason": co.finish_reason}
             else:
-                choice = {"index": co.index, "text": co.text, "logprobs": lp, "finish_reason": co.finish_reason}
+                choice = {"index": index, "text": co.text, "logprobs": lp, "finish_reason": co.finish_reason}
             if co.stop_reason is not None:
                 choice["stop_reason"] = co.stop_reason
             choices.append(choice)
-        n_out = sum(len(co.token_ids) for co in out.outputs)
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage(self.num_prompt, n_out, out.num_cached_tokens)}
+        return choices

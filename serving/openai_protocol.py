@@ -4,7 +4,8 @@ Parsing is strict about types and ranges and names the offending parameter (`par
 envelope); parameters we cannot honour (echo, suffix, logit_bias, tools, ...) are refused with a
 400 rather than silently ignored. Beyond OpenAI's parameters, vLLM's extensions are accepted in
 the body (the openai client's `extra_body`): top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, priority, cache_salt.
+ignore_eos, stop_token_ids, priority, cache_salt. A completions `prompt` may be a batch (a list of
+strings and token id lists): one engine request per prompt, answered as one response.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class ParsedRequest:
     priority: int = 0
     cache_salt: str | None = None
     chat_logprobs: bool = False  # chat: logprobs were asked for (top_logprobs may be 0)
+    # completions with a batch of 2 or more prompts: each a string or token ids (text/token_ids unset)
+    prompts: list[str | list[int]] | None = None
 
 
 # -- field readers -------------------------------------------------------------------------------
@@ -162,23 +165,34 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)
     prompt = body.get("prompt", _MISSING)
-    text = ids = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest(f"prompt is a batch of {len(prompt)} prompts; send one request per prompt",
-                             param="prompt")
-    else:
-        raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+    text = ids = batch = None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        for i, p in enumerate(prompt):  # a batch: strings and token id lists
+            if isinstance(p, list) and not _token_ids(p):
+                raise InvalidRequest(f"prompt[{i}] must be a string or a non-empty list of token ids",
+                                     param="prompt")
+        if len(prompt) > 1:
+            batch = prompt
+        else:
+            prompt = prompt[0]  # a batch of one
+    if batch is None:
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and _token_ids(prompt):
+            ids = prompt
+        else:
+            raise InvalidRequest("prompt must be a string, a list of token ids, or a list of those (a batch)",
+                                 param="prompt")
     max_tokens = _integer(body, "max_tokens", 16, lo=1)
     logprobs = _integer(body, "logprobs", None, lo=0)
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=logprobs)
     return ParsedRequest("completion", params, stream, include_usage, text=text, token_ids=ids, priority=priority,
-                         cache_salt=salt)
+                         cache_salt=salt, prompts=batch)
+
+
+def _token_ids(v: list) -> bool:
+    """A non-empty list of ints (not bools): a prompt given as token ids."""
+    return bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def parse_chat(body: dict, served: str) -> ParsedRequest:

@@ -140,6 +140,43 @@ def test_stop_string(client):
     assert "".join(c.choices[0].text for c in chunks) == ", there was a"
 
 
+def test_completion_batch_of_prompts(client, server):
+    """A list of prompts is one request: choice i * n + j is sample j of prompt i, each the text the
+    prompt gets alone; usage adds the prompts up; the stream carries the same texts."""
+    other = "The cat sat"
+    ids = httpx.post(server.http_url + "/tokenize", json={"prompt": other}).json()["tokens"]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in (PROMPT, other)]
+    assert alone[0] != alone[1]
+    args = dict(model=MODEL_NAME, prompt=[PROMPT, ids], max_tokens=8, temperature=0, n=2)
+    r = client.completions.create(**args)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5 + len(ids), 4 * 8)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {c.index: c.text for c in r.choices}
+    assert sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason) == [0, 1, 2, 3]
+    assert not chunks[-1].choices and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (5 + len(ids), 4 * 8)
+
+
+def test_completion_batch_refused_whole(client, server):
+    """Too many sequences in all, or one bad prompt: a 400 naming it, and nothing left running (the
+    prompts submitted before the bad one are cancelled)."""
+    with pytest.raises(openai.BadRequestError, match=r"the 9 prompts ask for 18 sequences in all .* max_n is 16"):
+        client.completions.create(model=MODEL_NAME, prompt=[PROMPT] * 9, n=2, max_tokens=4)
+    aborted = finished_count(server.core, "abort")
+    with pytest.raises(openai.BadRequestError, match="token id 600 is out of range"):
+        client.completions.create(model=MODEL_NAME, prompt=[PROMPT, [600]], max_tokens=200,
+                                  extra_body={"ignore_eos": True})
+    server.call(server.core.wait_idle(), timeout=30)
+    assert server.core.in_flight == 0 and finished_count(server.core, "abort") == aborted + 1
+
+
 @pytest.mark.parametrize("kw, exc, needle", [
     (dict(model="gpt-4"), "NotFoundError", "'gpt-4' does not exist"),
     (dict(temperature=-1), "BadRequestError", "temperature"),

@@ -32,6 +32,16 @@ def test_completion_defaults_and_extensions():
     assert r.params.stop_token_ids == [3] and r.params.ignore_eos and r.priority == -1 and r.cache_salt == "s"
     assert r.params.logprobs == 2 and r.include_usage
     assert completion(prompt=["batch of one"]).text == "batch of one"
+    assert completion(prompt=[[5, 6]]).token_ids == [5, 6] and completion(prompt=[[5, 6]]).prompts is None
+
+
+def test_completion_batch_of_prompts():
+    r = completion(prompt=["a", [1, 2], "b"], n=2)
+    assert r.prompts == ["a", [1, 2], "b"] and r.text is None and r.token_ids is None and r.params.n == 2
+    for bad in (["a", []], ["a", [1, True]], [[1], ["x"]]):
+        with pytest.raises(InvalidRequest, match=r"prompt\[1\]|prompt\[0\]") as e:
+            completion(prompt=bad)
+        assert e.value.param == "prompt"
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -51,7 +61,8 @@ def test_completion_defaults_and_extensions():
     (dict(suffix="x"), "suffix"),
     (dict(logit_bias={"1": 2}), "logit_bias"),
     (dict(best_of=3), "best_of"),
-    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=["a", 5]), "prompt"),
+    (dict(prompt=[1, "a"]), "prompt"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt=None), "prompt"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
