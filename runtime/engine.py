@@ -299,6 +299,9 @@ class Engine:
         bad_ids = [t for t in params.stop_token_ids if t >= V]
         if bad_ids:
             raise ValueError(f"stop token id {bad_ids[0]} is out of range; the vocabulary has {V} ids")
+        bad_ids = [t for t in params.logit_bias or () if t >= V]
+        if bad_ids:
+            raise ValueError(f"logit_bias token id {bad_ids[0]} is out of range; the vocabulary has {V} ids")
         if params.min_tokens > 0:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             if len(banned) > cfg.max_stop_token_ids:

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 # Finish reasons, as the OpenAI API spells them.
 FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens (or max_model_len) reached
 FINISH_ABORT = "abort"  # cancelled by the client or the engine
+
+# Token ids a request may bias (SamplingParams.logit_bias): the width of the sampling rows' bias
+# columns (runtime/sampling.py), fixed so that every step ships one shape.
+MAX_LOGIT_BIAS = 32
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,9 @@ class SamplingParams:
     top_k 0 (or -1) and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy.
     max_tokens None means "until max_model_len". logprobs None returns none; an int asks for the
     sampled token's logprob plus that many top alternatives (the engine enforces its own cap).
+    logit_bias maps token ids to a value in [-100, 100] added to their logits before the penalties
+    and sampling (OpenAI's logit_bias), at most MAX_LOGIT_BIAS ids; logprobs stay those of the
+    model's raw distribution.
     """
 
     temperature: float = 1.0
@@ -41,12 +49,18 @@ class SamplingParams:
     max_tokens: int | None = 16
     ignore_eos: bool = False
     n: int = 1
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Copies, so that a caller mutating its list cannot change a submitted request.
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", [_token_id(t, "stop_token_ids") for t in self.stop_token_ids])
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            object.__setattr__(self, "logit_bias", {_token_id(t, "logit_bias keys"): _bias(v, t)
+                                                    for t, v in self.logit_bias.items()} or None)
         if self.top_k == -1:  # the vLLM / HF spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -87,6 +101,8 @@ class SamplingParams:
                 fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             fail(f"n must be an int >= 1, got {self.n!r}")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            fail(f"logit_bias has {len(self.logit_bias)} token ids; at most {MAX_LOGIT_BIAS} are supported")
 
     @property
     def greedy(self) -> bool:
@@ -195,6 +211,12 @@ def _token_id(t, what: str) -> int:
     if v < 0:
         raise ValueError(f"{what} must be ints >= 0, got {t!r}")
     return int(v)
+
+
+def _bias(v, token) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100.0 <= v <= 100.0:
+        raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {token!r}")
+    return float(v)
 
 
 def validate_prompt(prompt_token_ids: Sequence[int]) -> list[int]:

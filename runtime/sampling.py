@@ -1,6 +1,7 @@
 """Sampling as a few small programs per seq bucket, chosen on the host: one row per sequence.
 
-Per row, in order (HF's logits-processor order):
+Per row, in order (HF's logits-processor order, with vLLM's place for the logit bias):
+  0. the row's logit bias (OpenAI's logit_bias: a value added to each of up to MAX_LOGIT_BIAS ids);
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
      over its output tokens (OpenAI's definitions); the last output token (the last K after a
      burst) may still be on the device only (lookahead): the host history holds placeholders for
@@ -20,7 +21,7 @@ engine's host work could not overlap the device. The packer already knows which 
 every dispatch returns at once:
 
     model program (runtime/step.py)  forward -> raw logits f32[S, V] and `greedy` tokens
-    penalize       -> penalized logits and their `greedy` tokens      when some row has penalties
+    penalize       -> penalized logits and their `greedy` tokens      when some row has penalties or a bias
     pick           -> tokens: random rows drawn, greedy rows argmax    when some row is random
     pick_filtered  -> the same with top-k/top-p/min-p cutoffs          when some random row filters
     logprobs       -> of the raw logits, for the final tokens          when some row asked
@@ -66,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.request import MAX_LOGIT_BIAS
+
 
 class SamplingBatch(NamedTuple):
     """Per-row sampling inputs: the named columns of a rows buffer. Padding rows are neutral."""
@@ -81,6 +84,8 @@ class SamplingBatch(NamedTuple):
     positions: jax.Array  # i32[S]: position of the token being sampled (its index in the sequence)
     num_prompt: jax.Array  # i32[S]: history[:num_prompt] is prompt, the rest output
     ban_before: jax.Array  # i32[S]: `banned` holds while the sampled token's index is below this
+    bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]: ids whose logits get bias_values added, -1 padded
+    bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]
     banned: jax.Array  # i32[S, NB]: ids to ban now (min_tokens), -1 padded
 
 
@@ -90,10 +95,12 @@ _COLUMNS = (
     ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("min_p", np.float32, 1),
     ("repetition_penalty", np.float32, 1), ("presence_penalty", np.float32, 1),
     ("frequency_penalty", np.float32, 1), ("seeds", np.uint32, 2), ("positions", np.int32, 1),
-    ("num_prompt", np.int32, 1), ("ban_before", np.int32, 1),
+    ("num_prompt", np.int32, 1), ("ban_before", np.int32, 1), ("bias_ids", np.int32, MAX_LOGIT_BIAS),
+    ("bias_values", np.float32, MAX_LOGIT_BIAS),
 )
 _FIXED_COLUMNS = sum(n for _, _, n in _COLUMNS)
-_NEUTRAL = dict(top_p=1.0, repetition_penalty=1.0, banned=-1)  # all other fields: 0
+_NEUTRAL = dict(top_p=1.0, repetition_penalty=1.0, bias_ids=-1, banned=-1)  # all other fields: 0
+_BIAS_COLUMN = sum(n for _, _, n in _COLUMNS[: [name for name, _, _ in _COLUMNS].index("bias_ids")])
 
 
 def _bitcast(x, dtype):
@@ -117,11 +124,11 @@ def empty_rows(S: int, max_banned: int) -> np.ndarray:
 
 
 def request_row(params, seed: tuple[int, int], num_prompt: int, ban_before: int) -> bytes:
-    """The columns of a request's row that stay the same every step (F of them: those before
-    `banned`; `positions` left 0 for the packer to set per step), as the bytes of an i32[F].
-    `params` is its SamplingParams, `seed` split_seed(seed), `num_prompt` its prompt length (0
-    unless it has penalties), `ban_before` the index from which its min_tokens ban is lifted (0:
-    none). Computed once per request; the packer copies it with `put_request_rows`."""
+    """The columns of a request's row that stay the same every step, up to its logit bias (F of
+    them, those before `bias_ids`; `positions` left 0 for the packer to set per step), as the bytes
+    of an i32[F]. `params` is its SamplingParams, `seed` split_seed(seed), `num_prompt` its prompt
+    length (0 unless it has penalties), `ban_before` the index from which its min_tokens ban is
+    lifted (0: none). Computed once per request; the packer copies it with `put_request_rows`."""
     row = _neutral_rows(1, 0).copy()
     v = sampling_rows(row)
     for name, _, _ in _COLUMNS[:7]:  # the settings, named as in SamplingParams
@@ -129,13 +136,33 @@ def request_row(params, seed: tuple[int, int], num_prompt: int, ban_before: int)
     v.seeds[0] = seed
     v.num_prompt[0] = num_prompt
     v.ban_before[0] = ban_before
-    return row.tobytes()
+    return row[0, :_BIAS_COLUMN].tobytes()
+
+
+def bias_columns(logit_bias) -> np.ndarray | None:
+    """A request's logit-bias columns, i32[2 * MAX_LOGIT_BIAS] (ids by id, -1 padded; then the
+    biases' f32 bits), or None without a bias. Few requests have one: the packer writes these
+    for those rows only (`put_bias_rows`), so every other row costs no more to pack."""
+    if not logit_bias:
+        return None
+    row = _neutral_rows(1, 0).copy()
+    v = sampling_rows(row)
+    ids = sorted(logit_bias)
+    v.bias_ids[0, : len(ids)] = ids
+    v.bias_values[0, : len(ids)] = [logit_bias[t] for t in ids]
+    return row[0, _BIAS_COLUMN:_FIXED_COLUMNS].copy()
 
 
 def put_request_rows(rows: np.ndarray, index: list[int], request_rows: list[bytes]) -> None:
     """rows[index[j]] takes request_rows[j] (`request_row`) in its first F columns. Joined as bytes:
     at 256 rows one join is ~2 us where stacking 256 small arrays took ~100 (every step)."""
-    rows[index, :_FIXED_COLUMNS] = np.frombuffer(b"".join(request_rows), np.int32).reshape(len(index), _FIXED_COLUMNS)
+    F = _BIAS_COLUMN
+    rows[index, :F] = np.frombuffer(b"".join(request_rows), np.int32).reshape(len(index), F)
+
+
+def put_bias_rows(rows: np.ndarray, index: list[int], bias: list[np.ndarray]) -> None:
+    """rows[index[j]] takes bias[j] (`bias_columns`) in its logit-bias columns."""
+    rows[index, _BIAS_COLUMN:_FIXED_COLUMNS] = np.stack(bias)
 
 
 @functools.cache
@@ -152,7 +179,7 @@ def _neutral_rows(S: int, max_banned: int) -> np.ndarray:  # packing copies it e
 class SamplingNeeds:
     """What the rows of one step need beyond greedy decoding; the packer decides it on the host."""
 
-    penalties: bool = False  # some row has a repetition/presence/frequency penalty
+    penalties: bool = False  # some row has a repetition/presence/frequency penalty or a logit bias
     random: bool = False  # some row has temperature > 0
     filters: bool = False  # some random row has top-k, top-p or min-p
     logprobs: bool = False  # some row asked for logprobs
@@ -164,7 +191,7 @@ class SamplingNeeds:
         changed = rows[:, :7] != _neutral_rows(1, 0)[0, :7]  # bool[S, 7]: the columns below
         random = changed[:, 0]  # temperature
         return cls(
-            penalties=bool(changed[:, 4:7].any()),  # repetition, presence, frequency
+            penalties=bool(changed[:, 4:7].any() or (rows[:, _BIAS_COLUMN] >= 0).any()),  # + a row's first bias id
             random=bool(random.any()),
             filters=bool(changed[random, 1:4].any()),  # top-k, top-p, min-p
             logprobs=logprobs,
@@ -233,7 +260,11 @@ def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
 
 
 def apply_penalties(logits: jax.Array, b: SamplingBatch, counts: PenaltyCounts) -> jax.Array:
-    """logits f32[S, V] with the rows' repetition, presence and frequency penalties -> f32[S, V]."""
+    """logits f32[S, V] with the rows' logit biases, then their repetition, presence and frequency
+    penalties -> f32[S, V]. A row without bias ids (-1) keeps its logits bit for bit."""
+    S, V = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], b.bias_ids.shape)
+    logits = logits.at[rows, jnp.where(b.bias_ids < 0, V, b.bias_ids)].add(b.bias_values, mode="drop")
     out_counts, seen = counts
     rp = b.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)

@@ -30,10 +30,10 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
-from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_rows, apply_penalties,
+from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, bias_columns,
                               burst_history_placeholder, count_sampled, empty_rows, greedy, history_placeholder,
-                              pad_slots, penalty_counts, pick, put_request_rows, request_row, resolve_history,
-                              sampled_logprobs, sampling_rows, split_seed)
+                              pad_slots, penalty_counts, pick, put_bias_rows, put_request_rows, request_row,
+                              resolve_history, sampled_logprobs, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -220,15 +220,17 @@ class SeqSampling:
     row: bytes  # its sampling row's constant columns (runtime/sampling.py, request_row)
     history: np.ndarray | None = None  # i32[W]: prompt + output ids, kept only when penalties are on
     history_len: int = 0
+    bias: np.ndarray | None = None  # its logit-bias columns (runtime/sampling.py, bias_columns); None: no bias
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, prompt: Sequence[int], eos_ids: Sequence[int], history_len: int):
         banned = list(dict.fromkeys([*([] if params.ignore_eos else eos_ids), *params.stop_token_ids]))
         penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                     or params.frequency_penalty != 0.0)
+                     or params.frequency_penalty != 0.0 or bool(params.logit_bias))  # the penalize program's work
         ban_before = len(prompt) + params.min_tokens if banned else 0
         s = cls(params, np.asarray(banned, np.int32), ban_before,
-                request_row(params, split_seed(seed), len(prompt) if penalties else 0, ban_before))
+                request_row(params, split_seed(seed), len(prompt) if penalties else 0, ban_before),
+                bias=bias_columns(params.logit_bias))
         if penalties:
             s.history = np.full(history_len, -1, np.int32)
             s.history[: len(prompt)] = prompt
@@ -313,6 +315,9 @@ class BatchPacker:
         if not rows:
             return out
         put_request_rows(out.rows, rows, [samp[i].row for i in rows])
+        biased = [i for i in rows if samp[i].bias is not None]
+        if biased:
+            put_bias_rows(out.rows, biased, [samp[i].bias for i in biased])
         sb.positions[rows] = [after[i] for i in rows]  # the index the sampled token will have
         for i in rows:
             s = samp[i]

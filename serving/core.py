@@ -280,6 +280,10 @@ class ServingCore:
             if t >= V:
                 raise InvalidRequest(f"stop token id {t} is out of range; the vocabulary has {V} ids",
                                      param="stop_token_ids")
+        for t in params.logit_bias or ():
+            if t >= V:
+                raise InvalidRequest(f"logit_bias token id {t} is out of range; the vocabulary has {V} ids",
+                                     param="logit_bias")
 
     async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True) -> list[int]:
         self._check_ready_for_info()

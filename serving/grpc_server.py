@@ -60,6 +60,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             max_tokens=(sp.max_tokens or None) if has("max_tokens") else 16,
             ignore_eos=sp.ignore_eos,
             n=sp.n if has("n") else 1,
+            logit_bias=dict(sp.logit_bias) or None,
         )
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

@@ -1,7 +1,7 @@
 """OpenAI API request parsing and response building (completions and chat completions).
 
 Parsing is strict about types and ranges and names the offending parameter (`param` in the error
-envelope); parameters we cannot honour (echo, suffix, logit_bias, tools, ...) are refused with a
+envelope); parameters we cannot honour (echo, suffix, tools, ...) are refused with a
 400 rather than silently ignored. Beyond OpenAI's parameters, vLLM's extensions are accepted in
 the body (the openai client's `extra_body`): top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, priority, cache_salt. A completions `prompt` may be a batch (a list of
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from runtime.request import SamplingParams
+from runtime.request import MAX_LOGIT_BIAS, SamplingParams
 from serving.errors import InvalidRequest, NotFound
 
 _MISSING = object()
@@ -100,6 +100,28 @@ def _int_list(body, name) -> list[int]:
     return v
 
 
+def _logit_bias(body) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100], ...} (JSON keys are strings)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise InvalidRequest(f"logit_bias must be an object mapping token ids to biases, got {v!r}",
+                             param="logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit() and k.isascii()):
+            raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0 as strings), got {k!r}",
+                                 param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise InvalidRequest(f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}", param="logit_bias")
+        out[int(k)] = float(b)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(out)} token ids; at most {MAX_LOGIT_BIAS} are supported",
+                             param="logit_bias")
+    return out or None
+
+
 def _refuse(body, name, allowed=(None,), why="is not supported"):
     v = body.get(name)
     if v not in allowed and not (isinstance(v, (list, dict)) and not v):
@@ -132,7 +154,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
     best_of = _integer(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
         raise InvalidRequest(f"best_of ({best_of}) different from n ({n}) is not supported", param="best_of")
-    _refuse(body, "logit_bias")
+    logit_bias = _logit_bias(body)
     try:
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0, lo=0.0),
@@ -150,6 +172,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
             max_tokens=max_tokens,
             ignore_eos=_boolean(body, "ignore_eos", False),
             n=n,
+            logit_bias=logit_bias,
         )
     except ValueError as e:  # SamplingParams' own cross-field checks (min_tokens <= max_tokens, ...)
         raise InvalidRequest(str(e)) from None

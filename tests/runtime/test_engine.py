@@ -90,11 +90,11 @@ def assert_same_logprobs(got, want, rid):
 
 
 def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps():
-    """Penalties, min_tokens bans and logprobs inside decode bursts (4 model steps per program)
-    give the tokens and logprobs single steps give, alone and in a random-arrival batch: consecutive
-    bursts of penalized rows (the host resolves each before it packs the next), greedy and seeded
-    random, logprobs with and without penalties in the burst, and min_tokens bans held and lifted
-    inside a burst. Runs without the shared checkpoint."""
+    """Penalties, logit biases, min_tokens bans and logprobs inside decode bursts (4 model steps per
+    program) give the tokens and logprobs single steps give, alone and in a random-arrival batch:
+    consecutive bursts of penalized rows (the host resolves each before it packs the next), greedy
+    and seeded random, logprobs with and without penalties in the burst, and min_tokens bans held
+    and lifted inside a burst. Runs without the shared checkpoint."""
     model = scaled_dummy()
     cfg = {**BASE, "seq_buckets": (8,)}
     single, bursts = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(**cfg, decode_steps=4))
@@ -104,7 +104,9 @@ def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps():
                  dict(temperature=1.0, presence_penalty=2.0, top_k=20),
                  dict(temperature=0.8, frequency_penalty=1.5, presence_penalty=0.5), dict(temperature=0.0),
                  dict(temperature=0.0, logprobs=3), dict(temperature=0.9, top_p=0.8, logprobs=0),
-                 dict(temperature=0.0, repetition_penalty=1.5, logprobs=2)]
+                 dict(temperature=0.0, repetition_penalty=1.5, logprobs=2),
+                 dict(temperature=0.0, logit_bias={5: 3.0, 17: -2.0, 99: 1.5}),
+                 dict(temperature=0.7, top_k=20, logit_bias={3: 2.0}, presence_penalty=1.0)]
         reqs = [(f"p{i}", rng.integers(0, 256, int(rng.integers(4, 30))).tolist(),
                  SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=int(rng.integers(12, 40)),
                                 **kinds[i % len(kinds)])) for i in range(16)]
@@ -136,10 +138,13 @@ def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps():
         run_one(bursts, reqs[5][1], reqs[5][2])  # logprobs, no penalties: bursts too
         assert bursts.stats().num_bursts > before
         # the penalties decide tokens here: without them some greedy ones differ
-        plain = [(rid, prompt, replace(params, repetition_penalty=1.0, frequency_penalty=0.0))
+        plain = [(rid, prompt, replace(params, repetition_penalty=1.0, frequency_penalty=0.0, logit_bias=None))
                  for rid, prompt, params in reqs if params.temperature == 0.0]
         assert any(run_one(single, prompt, params).outputs[0].token_ids != want[rid].token_ids
                    for rid, prompt, params in plain)
+        forced = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logit_bias={42: 100.0})
+        for eng in (single, bursts):  # +100 outweighs any logit of this model: every token is 42
+            assert run_one(eng, reqs[0][1], forced).outputs[0].token_ids == [42] * 9, eng.config.decode_steps
 
         # min_tokens: a prompt whose greedy tokens t have t[2] not in t[:2] and t[6] not in t[:6].
         # The prefill samples index 0, bursts 1-4 and 5-8.
@@ -556,6 +561,8 @@ def test_rejects_requests_that_can_never_run(engine):
         engine.add_request([5, 512], SamplingParams())
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         engine.add_request([5], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="logit_bias token id 600 is out of range; the vocabulary has 512"):
+        engine.add_request([5], SamplingParams(logit_bias={3: 1.0, 600: -1.0}))
     with pytest.raises(ValueError, match="needs a tokenizer"):
         engine.add_request("hello", SamplingParams())
     assert not engine.has_unfinished()

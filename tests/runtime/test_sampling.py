@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from runtime.request import MAX_LOGIT_BIAS
 from runtime.sampling import (SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots, run_sampler,
                               sampler_programs, sampling_rows, split_seed, top_k, top_k_method)
 
@@ -139,6 +140,43 @@ def test_penalties_match_reference():
     assert tokens[0] == logits[0].argmax()  # a row without penalties is untouched
     # Logprobs stay those of the raw model distribution.
     np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    """A row's bias is added to its ids' logits, then the penalties apply (vLLM's order): biased
+    rows sample from the sum, greedy or random; rows without a bias keep their raw logits bit for
+    bit (the penalize program runs for all rows once one has a bias). Logprobs stay raw."""
+    rng = np.random.default_rng()
+    logits = random_logits(rng, scale=0.3)
+    ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
+    vals = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+    worst = logits.argmin(-1)
+    ids[1, :2], vals[1, :2] = [worst[1], 7], [100.0, 1.0]  # row 1: its least likely id wins
+    ids[2, :1], vals[2, :1] = [logits[2].argmax()], [-100.0]  # row 2: its favourite is pushed out
+    ids[3, :MAX_LOGIT_BIAS] = np.arange(MAX_LOGIT_BIAS)  # row 3: every column used, penalized too
+    vals[3] = rng.uniform(-2, 2, MAX_LOGIT_BIAS)
+    history = np.full((S, W), -1, np.int32)
+    history[3, :4] = np.argsort(-logits[3])[:4]
+    b = batch(bias_ids=ids, bias_values=vals, repetition_penalty=np.array([1, 1, 1, 1.5], np.float32))
+    assert SamplingNeeds.of(b, logprobs=False).penalties
+    biased = logits.astype(np.float64).copy()
+    for s in range(S):
+        for t, v in zip(ids[s], vals[s]):
+            if t >= 0:
+                biased[s, t] += v
+    ref = penalized_reference(biased, history, np.zeros(S, np.int32), np.array([1, 1, 1, 1.5]), np.zeros(S),
+                              np.zeros(S))
+    tokens, lp = sample(logits, b, history)
+    np.testing.assert_array_equal(tokens, ref.argmax(-1))
+    assert tokens[1] == worst[1] and tokens[2] != logits[2].argmax() and tokens[0] == logits[0].argmax()
+    np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
+    # The penalize program returns row 0's logits unchanged (no bias, no penalty): bit for bit.
+    x, _ = programs()["penalize"](logits, b, history, np.zeros(SLOTS, np.int32), np.zeros((2, SLOTS), np.int32))
+    np.testing.assert_array_equal(np.asarray(x)[0], logits[0])
+    # Random rows draw from the biased distribution: +100 on one id takes every draw.
+    b2 = batch(bias_ids=ids, bias_values=vals, temperature=1.0, seeds=np.arange(2 * S).reshape(S, 2))
+    drawn, _ = sample(logits, b2, logprobs=False)
+    assert drawn[1] == worst[1]
 
 
 def test_penalties_read_placeholders_from_the_previous_tokens():

@@ -75,6 +75,12 @@ def test_generate_chat_n2_logprobs_seed(stub):
     assert collect(stub.Generate(req, timeout=30))[1] == ids  # seeded: the same samples again
 
 
+def test_generate_logit_bias(stub):
+    sp = pb.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={400: 100.0})
+    _, ids, _, _ = collect(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30))
+    assert ids[0] == [400] * 5
+
+
 def test_generate_stop_string(stub):
     sp = pb.SamplingParams(temperature=0, max_tokens=30, stop=[" little"])
     responses = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30))
@@ -90,6 +96,8 @@ def test_generate_stop_string(stub):
     (pb.SamplingParams(n=40), PROMPT, "n is 40; max_n is 16"),
     (pb.SamplingParams(logprobs=30), PROMPT, "logprobs is 30; max_logprobs is 20"),
     (pb.SamplingParams(stop_token_ids=[-3]), PROMPT, "stop_token_ids must be ints >= 0"),
+    (pb.SamplingParams(logit_bias={3: 200.0}), PROMPT, "logit_bias values must be numbers in [-100, 100]"),
+    (pb.SamplingParams(logit_bias={900: 1.0}), PROMPT, "logit_bias token id 900 is out of range"),
     (pb.SamplingParams(), None, "set one of text, token_ids or chat"),
 ])
 def test_generate_invalid_argument(stub, sampling, prompt, needle):

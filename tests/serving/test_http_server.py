@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from serving.openai_protocol import TokenText
 from tests.serving.conftest import MODEL_NAME, LiveServer
 
 openai = pytest.importorskip("openai")
@@ -140,6 +141,24 @@ def test_stop_string(client):
     assert "".join(c.choices[0].text for c in chunks) == ", there was a"
 
 
+def test_logit_bias(client, server):
+    """+100 on one token id makes it every greedy token; -100 on the greedy next token moves the
+    continuation off it. Streamed and whole agree."""
+    text_of = TokenText(server.engine.tokenizer)
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                logit_bias={"400": 100}, extra_body={"ignore_eos": True})
+    r = client.completions.create(**args)
+    assert r.choices[0].logprobs.tokens == [text_of(400)] * 6 and r.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    first = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      logprobs=0).choices[0].logprobs.tokens[0]
+    first_ids = [i for i in range(512) if text_of(i) == first]
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(i): -100 for i in first_ids})
+    assert first_ids and banned.choices[0].logprobs.tokens[0] != first
+
+
 def test_completion_batch_of_prompts(client, server):
     """A list of prompts is one request: choice i * n + j is sample j of prompt i, each the text the
     prompt gets alone; usage adds the prompts up; the stream carries the same texts."""
@@ -186,6 +205,7 @@ def test_completion_batch_refused_whole(client, server):
     (dict(logprobs=21), "BadRequestError", "logprobs is 21; max_logprobs is 20"),
     (dict(stop=[str(i) for i in range(17)]), "BadRequestError", "max_stop is 16"),
     (dict(prompt=[600]), "BadRequestError", "token id 600 is out of range"),
+    (dict(logit_bias={"600": 1}), "BadRequestError", "logit_bias token id 600 is out of range"),
     (dict(echo=True), "BadRequestError", "echo"),
 ])
 def test_errors(client, kw, exc, needle):

@@ -35,6 +35,14 @@ def test_completion_defaults_and_extensions():
     assert completion(prompt=[[5, 6]]).token_ids == [5, 6] and completion(prompt=[[5, 6]]).prompts is None
 
 
+def test_logit_bias_parsing():
+    r = completion(logit_bias={"5": -100, "17": 2.5})
+    assert r.params.logit_bias == {5: -100.0, 17: 2.5}
+    assert completion(logit_bias={}).params.logit_bias is None and completion().params.logit_bias is None
+    assert parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 1}},
+                      M).params.logit_bias == {3: 1.0}
+
+
 def test_completion_batch_of_prompts():
     r = completion(prompt=["a", [1, 2], "b"], n=2)
     assert r.prompts == ["a", [1, 2], "b"] and r.text is None and r.token_ids is None and r.params.n == 2
@@ -59,7 +67,12 @@ def test_completion_batch_of_prompts():
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(echo=True), "echo"),
     (dict(suffix="x"), "suffix"),
-    (dict(logit_bias={"1": 2}), "logit_bias"),
+    (dict(logit_bias={"a": 2}), "logit_bias"),
+    (dict(logit_bias={"-1": 2}), "logit_bias"),
+    (dict(logit_bias={"1": 101}), "logit_bias"),
+    (dict(logit_bias={"1": True}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(logit_bias={str(i): 1 for i in range(33)}), "logit_bias"),
     (dict(best_of=3), "best_of"),
     (dict(prompt=["a", 5]), "prompt"),
     (dict(prompt=[1, "a"]), "prompt"),
