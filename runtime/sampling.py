@@ -191,7 +191,7 @@ class SamplingNeeds:
         changed = rows[:, :7] != _neutral_rows(1, 0)[0, :7]  # bool[S, 7]: the columns below
         random = changed[:, 0]  # temperature
         return cls(
-            penalties=bool(changed[:, 4:7].any() or (rows[:, _BIAS_COLUMN] >= 0).any()),  # + a row's first bias id
+            penalties=bool(changed[:, 4:7].any() or (rows[:, _BIAS_COLUMN] >= 0).any()),  # or a first bias id
             random=bool(random.any()),
             filters=bool(changed[random, 1:4].any()),  # top-k, top-p, min-p
             logprobs=logprobs,
