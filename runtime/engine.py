@@ -296,12 +296,10 @@ class Engine:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {cfg.max_logprobs}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        bad_ids = [t for t in params.stop_token_ids if t >= V]
-        if bad_ids:
-            raise ValueError(f"stop token id {bad_ids[0]} is out of range; the vocabulary has {V} ids")
-        bad_ids = [t for t in params.logit_bias or () if t >= V]
-        if bad_ids:
-            raise ValueError(f"logit_bias token id {bad_ids[0]} is out of range; the vocabulary has {V} ids")
+        for what, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= V), None)
+            if bad is not None:
+                raise ValueError(f"{what} {bad} is out of range; the vocabulary has {V} ids")
         if params.min_tokens > 0:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             if len(banned) > cfg.max_stop_token_ids:

@@ -218,18 +218,20 @@ def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:  # u32[S, 2]
     return jax.vmap(one)(seeds, positions)
 
 
+def _row_ids(ids: jax.Array, V: int) -> tuple[jax.Array, jax.Array]:
+    """Scatter indices of per-row ids i32[S, W] into [S, V]: (row, id), with ids < 0 moved out of
+    range, so that a scatter with mode="drop" skips them."""
+    rows = jnp.broadcast_to(jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None], ids.shape)
+    return rows, jnp.where(ids < 0, V, ids)
+
+
 def _scatter_rows(shape, ids: jax.Array, values: jax.Array, dtype) -> jax.Array:
     """out[s, ids[s, j]] += values[s, j]; ids < 0 are dropped.  ids: i32[S, W] -> dtype[S, V]."""
-    S, V = shape
-    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], ids.shape)
-    cols = jnp.where(ids < 0, V, ids)  # out of range: dropped
-    return jnp.zeros(shape, dtype).at[rows, cols].add(values.astype(dtype), mode="drop")
+    return jnp.zeros(shape, dtype).at[_row_ids(ids, shape[1])].add(values.astype(dtype), mode="drop")
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32[S, NB] -> f32[S, V]
-    S, V = logits.shape
-    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], banned.shape)
-    return logits.at[rows, jnp.where(banned < 0, V, banned)].set(-jnp.inf, mode="drop")
+    return logits.at[_row_ids(banned, logits.shape[1])].set(-jnp.inf, mode="drop")
 
 
 def greedy(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32[S, NB] -> i32[S]
@@ -262,9 +264,7 @@ def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
 def apply_penalties(logits: jax.Array, b: SamplingBatch, counts: PenaltyCounts) -> jax.Array:
     """logits f32[S, V] with the rows' logit biases, then their repetition, presence and frequency
     penalties -> f32[S, V]. A row without bias ids (-1) keeps its logits bit for bit."""
-    S, V = logits.shape
-    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], b.bias_ids.shape)
-    logits = logits.at[rows, jnp.where(b.bias_ids < 0, V, b.bias_ids)].add(b.bias_values, mode="drop")
+    logits = logits.at[_row_ids(b.bias_ids, logits.shape[1])].add(b.bias_values, mode="drop")
     out_counts, seen = counts
     rp = b.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)

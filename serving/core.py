@@ -276,14 +276,11 @@ class ServingCore:
                                  f"{num_prompt_tokens + params.max_tokens} tokens; max_model_len is {L}",
                                  param="max_tokens", code="context_length_exceeded")
         V = info.vocab_size
-        for t in params.stop_token_ids:
-            if t >= V:
-                raise InvalidRequest(f"stop token id {t} is out of range; the vocabulary has {V} ids",
-                                     param="stop_token_ids")
-        for t in params.logit_bias or ():
-            if t >= V:
-                raise InvalidRequest(f"logit_bias token id {t} is out of range; the vocabulary has {V} ids",
-                                     param="logit_bias")
+        for what, param, ids in (("stop token id", "stop_token_ids", params.stop_token_ids),
+                                 ("logit_bias token id", "logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= V), None)
+            if bad is not None:
+                raise InvalidRequest(f"{what} {bad} is out of range; the vocabulary has {V} ids", param=param)
 
     async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True) -> list[int]:
         self._check_ready_for_info()
