@@ -157,7 +157,7 @@ def run_child(args) -> dict:
         Bmax = batches[-1]
         pps = -(-(args.ctx + 1) // G)  # pages per sequence at ctx + the token being written
         eng_steps = args.steps
-        max_model_len = -(-(args.ctx + eng_steps + 8) // G) * G
+        max_model_len = args.max_model_len or -(-(args.ctx + eng_steps + 8) // G) * G
         prefill_T = 1 << (args.ctx - 1).bit_length()
         num_pages = Bmax * pps + 2 * -(-max_model_len // G)
         token_buckets = tuple(sorted(set(batches) | {prefill_T}))
@@ -168,7 +168,8 @@ def run_child(args) -> dict:
         engine = Engine(loaded, cfg)
         ex = engine.executor
         info = {"param_bytes": param_bytes, "weights_read_bytes": weights_read, "embed_bytes": embed_bytes,
-                "kv_bytes_per_token": kv_tok, "num_pages": num_pages, "load_s": time.perf_counter() - t0}
+                "kv_bytes_per_token": kv_tok, "num_pages": num_pages, "max_model_len": max_model_len,
+                "load_s": time.perf_counter() - t0}
         res["models"][name] = info
 
         fwd = loaded.forward
@@ -257,7 +258,7 @@ def run_child(args) -> dict:
                 row[f"{k}_tok_s"] = B / t
                 row[f"{k}_mbu"] = bytes_step / t / bw
                 row[f"{k}_dispatch_s"] = disp[k]
-            if args.profile and B == 1:
+            if args.profile and B in args.profile_batches:
                 prof = {}
                 for k, exe in (("model", compiled.get(("model", B))), ("step", compiled[("step", B)])):
                     if exe is None:
@@ -269,10 +270,10 @@ def run_child(args) -> dict:
                         def call(kv, exe=exe, dflat=dflat):
                             return exe(ex._param_leaves, kv, *dflat)[2]
                     try:
-                        prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_{k}")
+                        prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_B{B}_{k}")
                     except Exception as e:  # a failed trace is a result, not a crash
                         prof[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    print_kernel_summary(f"{name} B=1 {k}", prof[k])
+                    print_kernel_summary(f"{name} B={B} {k}", prof[k])
                 row["profile"] = prof
             res["rows"].append(row)
             print(_fmt_row(row), flush=True)
@@ -294,7 +295,7 @@ def run_child(args) -> dict:
             # the same loop with decode bursts: its own small engine (the pool of one sequence)
             del engine, kv
             K = args.decode_steps
-            burst_len = -(-(args.ctx + 4 * eng_steps + 8) // G) * G
+            burst_len = args.max_model_len or -(-(args.ctx + 4 * eng_steps + 8) // G) * G
             bcfg = dataclasses.replace(
                 cfg, decode_steps=K, max_num_seqs=1, seq_buckets=(1,), token_buckets=(1, prefill_T),
                 max_num_batched_tokens=prefill_T, max_model_len=burst_len, num_pages=2 * (burst_len // G) + 2,
@@ -346,11 +347,13 @@ def table(res: dict) -> str:
 def _child_cmd(args, out: str, models, batches, model_batches, no_engine: bool) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", out, "--models", *models,
            "--batches", *map(str, batches), "--model-batches", *map(str, model_batches), "--ctx", str(args.ctx),
-           "--steps", str(args.steps), "--page-size", str(args.page_size), "--copy-elems", str(args.copy_elems),
+           "--steps", str(args.steps), "--page-size", str(args.page_size),
+           *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+           "--copy-elems", str(args.copy_elems),
            "--min-rep-s", str(args.min_rep_s), "--reps", str(args.reps), "--decode-steps", str(args.decode_steps),
            "--gpu-cublas-min-tokens", str(args.gpu_cublas_min_tokens)]
     if args.profile and out.endswith("main.json"):
-        cmd += ["--profile", args.profile]
+        cmd += ["--profile", args.profile, "--profile-batches", *map(str, args.profile_batches)]
     return cmd + (["--no-engine"] if no_engine else [])
 
 
@@ -371,6 +374,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="context tokens of every sequence")
     ap.add_argument("--steps", type=int, default=64, help="decode steps of the engine.step() loop (batch 1)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="EngineConfig.max_model_len of the engines (default: just over what the run needs); the "
+                         "page tables are this wide")
     ap.add_argument("--copy-elems", type=int, default=1 << 28, help="f32 elements of the copy ceiling (1 GiB)")
     ap.add_argument("--min-rep-s", type=float, default=0.2)
     ap.add_argument("--reps", type=int, default=5)
@@ -378,7 +384,10 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=8,
                     help="K of the batch-1 engine loop with decode bursts (EngineConfig.decode_steps); 1: skip it")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="also trace 20 batch-1 steps (model and step) with jax.profiler into DIR and list the kernels")
+                    help="also trace 20 steps (model and step) of each --profile-batches batch with jax.profiler "
+                         "into DIR and list the kernels")
+    ap.add_argument("--profile-batches", nargs="+", type=int, default=[1], metavar="B",
+                    help="the batches --profile traces (default: 1)")
     ap.add_argument("--flag-variants", nargs="*", default=[], metavar="NAME=XLA_FLAGS")
     ap.add_argument("--variant-models", nargs="+", default=None, help="models of the flag variants (default: the first)")
     add_cublas_arg(ap)

@@ -89,7 +89,8 @@ def run_xla(args) -> dict:
 
     mc = get_preset(args.model)
     G = args.page_size
-    max_model_len = -(-(args.input_len + args.output_len) // G) * G
+    max_model_len = (None if args.max_model_len == "model" else args.max_model_len
+                     or -(-(args.input_len + args.output_len) // G) * G)
     cfg = dict(dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                page_size=G, max_model_len=max_model_len, progress=False,
                token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
@@ -136,7 +137,7 @@ def run_xla(args) -> dict:
         **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
         "wrong_length": bad[:5], "repeats": args.repeats,
         "decode_steps": eng.config.decode_steps,
-        "gpu_cublas_min_tokens": eng.config.gpu_cublas_min_tokens,
+        "gpu_cublas_min_tokens": eng.config.gpu_cublas_min_tokens, "max_model_len": eng.config.max_model_len,
         "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run
         "bursts": (st2.num_bursts - st1.num_bursts) / args.repeats,  # per run, of the steps
         "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
@@ -304,6 +305,9 @@ def main() -> None:
     ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 8192])
     ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 256])
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=lambda v: v if v == "model" else int(v), default=None, metavar="N|model",
+                    help="EngineConfig.max_model_len (default: input + output, rounded up to a page; 'model': the "
+                         "model's maximum, the engine's own default)")
     ap.add_argument("--num-pages", type=int, default=None, help="default: the engine's estimate from free memory")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="EngineConfig.decode_steps (decode bursts); default: LLM's (runtime/llm.py)")

@@ -29,9 +29,13 @@ def _positive(x) -> bool:
 
 def test_bench_decode_smoke(tmp_path):
     res = _run("bench_decode.py", "--models", "stories260k", "--batches", "1", "2", "--ctx", "32", "--steps", "12",
-               "--min-rep-s", "0.01", "--reps", "1", "--copy-elems", str(1 << 20), out=tmp_path / "decode.json")
+               "--min-rep-s", "0.01", "--reps", "1", "--copy-elems", str(1 << 20), "--max-model-len", "256",
+               "--profile", str(tmp_path / "trace"), "--profile-batches", "2", out=tmp_path / "decode.json")
     rows = {r["batch"]: r for r in res["main"]["rows"]}
     assert sorted(rows) == [1, 2]
+    assert res["main"]["models"]["stories260k"]["max_model_len"] == 256
+    # only the batch asked for is traced (a CPU trace has no device kernels: the summary says so)
+    assert "profile" not in rows[1] and rows[2]["profile"]["step"]["error"] == "no device events"
     one = rows[1]
     for col in ("model", "step", "executor", "engine"):
         assert _positive(one[f"{col}_s"]) and _positive(one[f"{col}_tok_s"]) and 0 < one[f"{col}_mbu"] < 1, col
@@ -45,10 +49,10 @@ def test_bench_throughput_smoke(tmp_path):
                "--output-len", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8",
                "64", "--seq-buckets", "4", "--repeats", "2", "--skip", "hf", "--copy-elems", str(1 << 20),
                "--matmul-size", "256", "--frequency-penalty", "0.5", "--logprobs", "2",
-               "--gpu-cublas-min-tokens", "none", "--profile", str(tmp_path / "trace"),
+               "--gpu-cublas-min-tokens", "none", "--profile", str(tmp_path / "trace"), "--max-model-len", "64",
                out=tmp_path / "throughput.json")
     x = res["xla"]
-    assert x["gpu_cublas_min_tokens"] is None
+    assert x["gpu_cublas_min_tokens"] is None and x["max_model_len"] == 64
     # one more run, traced: a CPU trace has no device kernels, so the summary says so
     prof = x["profile"]
     assert _positive(prof["traced_wall_s"]) and prof["engine_steps"] > 0
