@@ -14,7 +14,8 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
     prefill chunks the blocks every row sees whole (below the diagonal) go first, in a loop with
     no mask;
   * kv_splits > 1 divides each item's key range among programs (flash-decoding); each writes a
-    normalised partial output and its log-sum-exp, merged by a small jnp epilogue. That is what
+    normalised partial output and its log-sum-exp, merged by a second small kernel (a program per
+    token, reading only the splits that held keys, zeros for padding tokens). That is what
     fills the GPU when there are few sequences and long contexts (8 x 32k: 64 (item, head)
     programs for 132 SMs without it).
 Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
@@ -86,7 +87,12 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
     splits = next_pow2(pl.cdiv(2 * _num_sms(), items * K))
-    splits = max(1, min(splits, pl.cdiv(keys_per_seq, 4 * ppb * G)))
+    # At most one split per key block of the longest sequence the table holds. Each sequence's
+    # blocks are dealt to its first splits at run time and the merge reads only those, so splits a
+    # short context leaves empty cost little: llama3_2_1b at batch 1 over 512 keys, the attention
+    # and its merge took 6.1 us a layer with 64 splits against 8.1 with 3 (H100, docs/benchmarks.md
+    # "eighteenth session").
+    splits = max(1, min(splits, pl.cdiv(keys_per_seq, ppb * G)))
     if splits == 1 and not prefill_shaped(T, S):
         # Decode batches that fill the GPU without splits: K tiles of 8k elements (128 keys at head
         # dim 64) were 3-6% faster than 64 keys at 256 sequences x 512-768 keys of llama3_2_1b
@@ -279,20 +285,68 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         name="ragged_paged_attention_gpu",
     )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, q.reshape(T * N, H),
       kv_pages.reshape(P * G * K2, H))
-    if splits == 1:
-        out = outs[0].reshape(T, N, H)
-    else:
-        o_part, lse = outs  # unwritten entries (padding tokens) may hold anything, masked below
-        lse = lse.reshape(splits, T, N)
-        finite = jnp.isfinite(lse)
-        lse_max = jnp.max(jnp.where(finite, lse, -jnp.inf), axis=0)
-        w = jnp.where(finite, jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)), 0.0)
-        o_part = jnp.where(finite[..., None], o_part.reshape(splits, T, N, H), 0.0)
-        out = (jnp.sum(w[..., None] * o_part, axis=0) /
-               jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(q.dtype)
+    if splits > 1:  # the merge writes every token, zeros for padding ones
+        return _merge_splits(*outs, cu_q_lens, num_seqs, num_heads=N, dtype=q.dtype,
+                             interpret=interpret).reshape(T, N, H)
     t = jnp.arange(T, dtype=jnp.int32)
     real = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])
-    return jnp.where(real[:, None, None], out, jnp.zeros((), q.dtype))
+    return jnp.where(real[:, None, None], outs[0].reshape(T, N, H), jnp.zeros((), q.dtype))
+
+
+def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, heads: int,
+                  splits: int, splits_pow2: int):
+    """Token t's rows: the kv_splits partial outputs weighted by their exp2(log-sum-exp). A split
+    that saw no key wrote lse = -inf; the attention kernel gives each sequence's keys to a prefix
+    of the splits, so the loop stops after the last split any row of the token used."""
+    t = pl.program_id(0)
+    f32 = jnp.float32
+    real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
+    r = jnp.arange(heads, dtype=jnp.int32)
+    row_ok = r < num_heads
+    rows = t * num_heads + r
+    sp = jnp.arange(splits_pow2, dtype=jnp.int32)
+    tile_ok = (sp < splits)[:, None] & row_ok[None, :]
+    # Padding tokens' entries were never written (any bits): they are not read, so no split counts
+    # as used and their rows come out 0.
+    lse = plgpu.load(lse_ref.at[sp[:, None], rows[None, :]], mask=tile_ok & real, other=-jnp.inf)
+    finite = lse > -jnp.inf
+    used = jnp.max(jnp.where(finite, sp[:, None] + 1, 0))  # splits [0, used) hold keys
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(m > -jnp.inf, m, 0.0)
+    cols = jnp.arange(o_ref.shape[2], dtype=jnp.int32)[None, :]
+
+    def body(j, carry):
+        acc, den = carry
+        lj = plgpu.load(lse_ref.at[j, rows], mask=row_ok, other=-jnp.inf)
+        w = jnp.where(lj > -jnp.inf, jnp.exp2(lj - m), 0.0)
+        oj = plgpu.load(o_ref.at[j, rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+        return acc + w[:, None] * oj, den + w
+
+    acc, den = lax.fori_loop(0, used, body, (jnp.zeros((heads, o_ref.shape[2]), f32), jnp.zeros((heads,), f32)))
+    out = acc / jnp.maximum(den, 1e-30)[:, None]
+    # masked rows get distinct out-of-range indices (interpret mode writes back every indexed row)
+    dst = jnp.where(row_ok, rows, out_ref.shape[0] + r)
+    plgpu.store(out_ref.at[dst[:, None], cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
+
+
+def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, interpret: bool):
+    """One launch, a program per token: [kv_splits, T * N, H] f32 partials -> [T * N, H] dtype. It
+    reads only the splits that hold keys (at a 512-token context and 64 splits, 8), where XLA's
+    merge read and reduced every split in three or four kernels (docs/benchmarks.md)."""
+    splits, TN, H = o_part.shape
+    kernel = functools.partial(_merge_kernel, num_heads=num_heads, heads=next_pow2(num_heads), splits=splits,
+                               splits_pow2=next_pow2(splits))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        grid=(TN // num_heads,),
+        in_specs=[any_spec] * 4,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((TN, H), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="merge_attention_splits_gpu",
+    )(cu_q_lens, num_seqs, o_part, lse)
 
 
 def ragged_paged_attention(

@@ -242,6 +242,23 @@ def test_gpu_default_block_sizes_decode_batches():
                                atol=atol, rtol=rtol)
 
 
+def test_gpu_merge_of_mostly_empty_splits():
+    """Batch-1-like decode with a wide page table: 8 splits of 16-key blocks over contexts of 1 to
+    128 keys (the short ones leave most splits empty, the longest fills all 8), a 3-token chunk
+    whose rows see different splits, and padding tokens (their partials are never written: the
+    merge must neither read them nor leave them unwritten)."""
+    shape = Shape(N=6, K=2, H=64, T=12, S=4, P_max=8)  # 6 q heads: the merge pads rows to 8
+    args, n_real = make_inputs(shape, Batch((1, 3, 1, 1), (128, 20, 1, 47)), jnp.bfloat16, seed=11)
+    bs = BlockSizes(q_tokens_per_block=1, kv_pages_per_block=1, kv_splits=8)
+    ref = jax.jit(functools.partial(ref_ragged_paged_attention, **_opts(shape)))(*args)
+    out = np.asarray(gpu.ragged_paged_attention(*args, **_opts(shape), block_sizes=bs, interpret=True), np.float32)
+    atol, rtol = tol(jnp.bfloat16)
+    np.testing.assert_allclose(out[:n_real], np.asarray(ref, np.float32)[:n_real], atol=atol, rtol=rtol)
+    assert (out[n_real:] == 0).all()
+    # the default for one decode token over a 128-key table: a split per 64-key block (was 1)
+    assert gpu.default_block_sizes(args[0][:1], args[1], args[3]).kv_splits == 2
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("pages_per_seq", [1, 2, 3, 5, 7, 9])
 def test_gpu_default_block_sizes_fit_any_page_table(pages_per_seq, page_size):
