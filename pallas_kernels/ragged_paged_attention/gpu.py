@@ -15,7 +15,7 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
     no mask;
   * kv_splits > 1 divides each item's key range among programs (flash-decoding); each writes a
     normalised partial output and its log-sum-exp, merged by a second small kernel (a program per
-    token, reading only the splits that held keys, zeros for padding tokens). That is what
+    output row, reading only the splits that held keys, zeros for padding tokens). That is what
     fills the GPU when there are few sequences and long contexts (8 x 32k: 64 (item, head)
     programs for 132 SMs without it).
 Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
@@ -293,60 +293,45 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     return jnp.where(real[:, None, None], outs[0].reshape(T, N, H), jnp.zeros((), q.dtype))
 
 
-def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, heads: int,
+def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, rows: int,
                   splits: int, splits_pow2: int):
-    """Token t's rows: the kv_splits partial outputs weighted by their exp2(log-sum-exp). A split
-    that saw no key wrote lse = -inf; the attention kernel gives each sequence's keys to a prefix
-    of the splits, so the loop stops after the last split any row of the token used."""
-    t = pl.program_id(0)
-    f32 = jnp.float32
+    """One output row (a token's q head): its kv_splits partial outputs weighted by their
+    exp2(log-sum-exp), read in one masked load. A split that saw no key wrote lse = -inf and its
+    partial is not read; neither is anything of a padding token (never written): its row is 0."""
+    row = pl.program_id(0)
+    t = lax.div(row, num_heads)
     real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
-    r = jnp.arange(heads, dtype=jnp.int32)
-    row_ok = r < num_heads
-    rows = t * num_heads + r
     sp = jnp.arange(splits_pow2, dtype=jnp.int32)
-    tile_ok = (sp < splits)[:, None] & row_ok[None, :]
-    # Padding tokens' entries were never written (any bits): they are not read, so no split counts
-    # as used and their rows come out 0.
-    lse = plgpu.load(lse_ref.at[sp[:, None], rows[None, :]], mask=tile_ok & real, other=-jnp.inf)
-    finite = lse > -jnp.inf
-    used = jnp.max(jnp.where(finite, sp[:, None] + 1, 0))  # splits [0, used) hold keys
-    m = jnp.max(lse, axis=0)
-    m = jnp.where(m > -jnp.inf, m, 0.0)
-    cols = jnp.arange(o_ref.shape[2], dtype=jnp.int32)[None, :]
-
-    def body(j, carry):
-        acc, den = carry
-        lj = plgpu.load(lse_ref.at[j, rows], mask=row_ok, other=-jnp.inf)
-        w = jnp.where(lj > -jnp.inf, jnp.exp2(lj - m), 0.0)
-        oj = plgpu.load(o_ref.at[j, rows[:, None], cols], mask=row_ok[:, None], other=0.0)
-        return acc + w[:, None] * oj, den + w
-
-    acc, den = lax.fori_loop(0, used, body, (jnp.zeros((heads, o_ref.shape[2]), f32), jnp.zeros((heads,), f32)))
-    out = acc / jnp.maximum(den, 1e-30)[:, None]
-    # masked rows get distinct out-of-range indices (interpret mode writes back every indexed row)
-    dst = jnp.where(row_ok, rows, out_ref.shape[0] + r)
-    plgpu.store(out_ref.at[dst[:, None], cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
+    src = sp * rows + row  # row `row` of each split in the flattened [splits * T * N] partials
+    lse = plgpu.load(lse_ref.at[src], mask=(sp < splits) & real, other=-jnp.inf)
+    used = lse > -jnp.inf
+    m = jnp.max(lse)
+    w = jnp.where(used, jnp.exp2(lse - jnp.where(m > -jnp.inf, m, 0.0)), 0.0)
+    cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
+    o = plgpu.load(o_ref.at[src[:, None], cols[None, :]], mask=used[:, None], other=0.0)
+    out = jnp.sum(w[:, None] * o, axis=0) / jnp.maximum(jnp.sum(w), 1e-30)
+    plgpu.store(out_ref.at[row * o_ref.shape[1] + cols], out.astype(out_ref.dtype))
 
 
 def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, interpret: bool):
-    """One launch, a program per token: [kv_splits, T * N, H] f32 partials -> [T * N, H] dtype. It
-    reads only the splits that hold keys (at a 512-token context and 64 splits, 8), where XLA's
-    merge read and reduced every split in three or four kernels (docs/benchmarks.md)."""
+    """One launch, a program per output row: [kv_splits, T * N, H] f32 partials -> [T * N, H]
+    dtype, reading only the splits that hold keys (at a 512-token context and 64 splits, 8), where
+    XLA's merge read and reduced every split in three or four kernels (docs/benchmarks.md)."""
     splits, TN, H = o_part.shape
-    kernel = functools.partial(_merge_kernel, num_heads=num_heads, heads=next_pow2(num_heads), splits=splits,
+    kernel = functools.partial(_merge_kernel, num_heads=num_heads, rows=TN, splits=splits,
                                splits_pow2=next_pow2(splits))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(TN // num_heads,),
+        grid=(TN,),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((TN, H), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        out_shape=jax.ShapeDtypeStruct((TN * H,), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
         name="merge_attention_splits_gpu",
-    )(cu_q_lens, num_seqs, o_part, lse)
+    )(cu_q_lens, num_seqs, o_part.reshape(splits * TN, H), lse.reshape(splits * TN))
+    return out.reshape(TN, H)
 
 
 def ragged_paged_attention(
