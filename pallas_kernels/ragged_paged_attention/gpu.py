@@ -87,11 +87,11 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     keys_per_seq = P_max * G
     items = max(min(S, T), pl.cdiv(T, bq))
     splits = next_pow2(pl.cdiv(2 * _num_sms(), items * K))
-    # At most one split per key block of the longest sequence the table holds. Each sequence's
-    # blocks are dealt to its first splits at run time and the merge reads only those, so splits a
-    # short context leaves empty cost little: llama3_2_1b at batch 1 over 512 keys, the attention
-    # and its merge took 6.1 us a layer with 64 splits against 8.1 with 3 (H100, docs/benchmarks.md
-    # "eighteenth session").
+    # At most one split per key block of the longest sequence the table holds (it was one per four
+    # blocks). Each sequence's blocks are dealt to its first splits at run time and the merge reads
+    # only those, so the splits a short context leaves empty cost little: llama3_2_1b at batch 1
+    # over 512 keys of a 592-key table, attention + merge took 5.9 us a layer with 10 splits against
+    # 8.2 with 3 and XLA's merge (H100, docs/benchmarks.md "eighteenth session").
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, ppb * G)))
     if splits == 1 and not prefill_shaped(T, S):
         # Decode batches that fill the GPU without splits: K tiles of 8k elements (128 keys at head
