@@ -150,6 +150,20 @@ def test_packer_lays_out_plan_and_padding():
         SamplingNeeds(random=True, logprobs=True)
 
 
+@pytest.mark.parametrize("pages_per_seq", [8, 4096])  # a narrow table (masked write) and a wide one
+def test_packer_page_tables_any_width(pages_per_seq):
+    packer = BatchPacker(pages_per_seq=pages_per_seq, history_len=W, max_banned=NB,
+                         select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
+    plan = plan_of(seq("a", [3], 40, [7, 2, 9], prefill=False), seq("b", [5], 9, [4], prefill=False),
+                   seq("c", [6], 70, [1, 8, 3, 6, 5], prefill=False))
+    g = SeqSampling.create(SamplingParams(temperature=0.0), 0, [1], eos_ids=[2], history_len=W)
+    pi = packer.pack(plan, lambda _: g).step.attn.page_indices
+    want = np.zeros((4, pages_per_seq), np.int32)
+    for i, pages in enumerate(([7, 2, 9], [4], [1, 8, 3, 6, 5])):
+        want[i, : len(pages)] = pages
+    np.testing.assert_array_equal(pi, want)
+
+
 def test_ignore_eos_keeps_eos_unbanned():
     s = SeqSampling.create(SamplingParams(ignore_eos=True, min_tokens=3, stop_token_ids=[5]), 0, [1], [2], W)
     assert s.stop_ids.tolist() == [5]
