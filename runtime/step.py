@@ -310,11 +310,10 @@ class BatchPacker:
             lens = np.array([len(seq.pages) for seq in seqs])
             total = int(lens.sum())
             pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int32, count=total)
-            if n * self.pages_per_seq <= 16 * total:  # a mask over the [n, P_max] table: fast when narrow
-                m.page_indices[:n][np.arange(self.pages_per_seq) < lens[:, None]] = pages
-            else:  # a wide table (long max_model_len): O(pages), 1.1 ms -> 0.11 ms at 256 x 8192
-                starts = np.repeat(np.cumsum(lens) - lens, lens)
-                m.page_indices[np.repeat(np.arange(n), lens), np.arange(total) - starts] = pages
+            # flat index of page j of sequence i: i * P_max + j. O(pages), not O(n * P_max): a mask over
+            # the table took 0.6 ms a pack at 256 x 8192 (long max_model_len), this 0.03 ms
+            row_start = np.arange(0, n * self.pages_per_seq, self.pages_per_seq) - (np.cumsum(lens) - lens)
+            np.put(m.page_indices, np.arange(total) + np.repeat(row_start, lens), pages)
         m.num_seqs[0] = n
         rows = [i for i, s in enumerate(samp) if s is not None]
         if not rows:

@@ -293,8 +293,8 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     return jnp.where(real[:, None, None], outs[0].reshape(T, N, H), jnp.zeros((), q.dtype))
 
 
-def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, rows: int,
-                  splits: int, splits_pow2: int):
+def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
+                  splits_pow2: int):
     """One output row (a token's q head): its kv_splits partial outputs weighted by their
     exp2(log-sum-exp), read in one masked load. A split that saw no key wrote lse = -inf and its
     partial is not read; neither is anything of a padding token (never written): its row is 0."""
@@ -302,7 +302,7 @@ def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_h
     t = lax.div(row, num_heads)
     real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
     sp = jnp.arange(splits_pow2, dtype=jnp.int32)
-    src = sp * rows + row  # row `row` of each split in the flattened [splits * T * N] partials
+    src = sp * (lse_ref.shape[0] // splits) + row  # row `row` of each split in the flat [splits * T * N] partials
     lse = plgpu.load(lse_ref.at[src], mask=(sp < splits) & real, other=-jnp.inf)
     used = lse > -jnp.inf
     m = jnp.max(lse)
@@ -318,8 +318,7 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
     dtype, reading only the splits that hold keys (at a 512-token context and 64 splits, 8), where
     XLA's merge read and reduced every split in three or four kernels (docs/benchmarks.md)."""
     splits, TN, H = o_part.shape
-    kernel = functools.partial(_merge_kernel, num_heads=num_heads, rows=TN, splits=splits,
-                               splits_pow2=next_pow2(splits))
+    kernel = functools.partial(_merge_kernel, num_heads=num_heads, splits=splits, splits_pow2=next_pow2(splits))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
@@ -329,7 +328,8 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
         out_shape=jax.ShapeDtypeStruct((TN * H,), dtype),
         # 2 warps for the [16, 64] tile measured (16 f32 a thread); wider tiles (64 splits x H = 128)
         # get more warps rather than more registers a thread
-        compiler_params=plgpu.CompilerParams(num_warps=min(8, max(2, next_pow2(splits) * H // 512)), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=min(8, max(2, next_pow2(splits) * H // 512)),
+                                             num_stages=1),
         interpret=interpret,
         name="merge_attention_splits_gpu",
     )(cu_q_lens, num_seqs, o_part.reshape(splits * TN, H), lse.reshape(splits * TN))

@@ -150,7 +150,7 @@ def test_packer_lays_out_plan_and_padding():
         SamplingNeeds(random=True, logprobs=True)
 
 
-@pytest.mark.parametrize("pages_per_seq", [8, 4096])  # a narrow table (masked write) and a wide one
+@pytest.mark.parametrize("pages_per_seq", [8, 4096])  # a narrow table and a wide one
 def test_packer_page_tables_any_width(pages_per_seq):
     packer = BatchPacker(pages_per_seq=pages_per_seq, history_len=W, max_banned=NB,
                          select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
