@@ -1,8 +1,8 @@
 """The bucket table, AOT warmup of the step programs, and compile accounting.
 
 The programs of one step (runtime/step.py, runtime/sampling.py): the model program, compiled per
-(token bucket T, seq bucket S) pair of the table, and the sampler programs (penalize, pick,
-pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some step with
+(token bucket T, seq bucket S) pair of the table, and the sampler programs (count, count_more,
+penalize, pick, pick_filtered, logprobs), compiled per seq bucket. A pair is reachable when some step with
 n_seqs <= n_tokens lands in it, i.e. when the smallest seq count of the S bucket (the previous
 bucket + 1) is <= T; unreachable pairs are skipped. With EngineConfig.decode_steps K > 1, the burst
 programs too (K decode steps in one program, runtime/step.py:make_burst_fn), per decode pair (the
@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from runtime.sampling import run_sampler, sampler_programs
+from runtime.sampling import PenaltyCounts, count_penalties, run_sampler, sampler_programs
 from runtime.step import BURST_SAMPLERS, PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 
 
 # The (penalties, logprobs) variants of the burst programs: a burst with logprobs always takes the
-# penalties' inputs (an all -1 history when no row has penalties) rather than doubling the variants.
+# penalty counts (of an all -1 history when no row has penalties) rather than doubling the variants.
 _BURST_VARIANTS = ((False, False), (True, False), (True, True))
 
 
@@ -180,12 +180,13 @@ class StepExecutor:
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(7, 8, 9, 10, 11, 12),  # layout, params treedef, steps, sampler, penalties, max_logprobs
-            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep, rep),
+            static_argnums=(6, 7, 8, 9, 10, 11),  # layout, params treedef, steps, sampler, penalties, max_logprobs
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding, rep),
         )
         self.max_logprobs = max_logprobs
-        self._empty_histories: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1: logprob bursts without penalties
+        self._empty_histories: dict[int, jax.Array] = {}  # S -> i32[S, C] of -1: logprob bursts without penalties
+        self._history_chunk = empty_batch(1, 1).history.shape[1]  # C: entries a count program reads
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
         self.slots = table.seq_buckets[-1]
         self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
@@ -193,7 +194,7 @@ class StepExecutor:
         self._no_prev_burst = jax.device_put(np.zeros((decode_steps, self.slots), np.int32), rep)
         self._samplers = {
             name: (jax.jit(p.fn, out_shardings=rep), p.args)
-            for name, p in sampler_programs(max_logprobs, self.slots).items()
+            for name, p in sampler_programs(max_logprobs, self.slots, vocab_size).items()
         }
         self._abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                  for x in self._param_leaves]
@@ -240,16 +241,21 @@ class StepExecutor:
                     self._abstract(self._no_prev), b.layout, self._param_treedef)
             if key[0] == "burst":
                 sampler, penalties, logprobs = key[3:]
-                hist = (self._abstract(b.history), self._abstract(self._no_prev_burst)) if penalties else (None, None)
-                return self._burst.lower(*args[:5], *hist, *args[5:], self.decode_steps, sampler, penalties,
+                counts = self._abstract_counts(S) if penalties else None
+                return self._burst.lower(*args[:5], counts, *args[5:], self.decode_steps, sampler, penalties,
                                          self.max_logprobs if logprobs else None)
             return self._model.lower(*args)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
-                      history=b.history, tokens=self._no_prev, prev=self._no_prev, prev_burst=self._no_prev_burst)
+                      history=b.history, start=np.int32(0), counts=self._abstract_counts(S), tokens=self._no_prev,
+                      prev=self._no_prev, prev_burst=self._no_prev_burst)
         fn, args = self._samplers[name]
-        return fn.lower(*(self._abstract(shapes[a]) for a in args))
+        return fn.lower(*(jax.tree.map(self._abstract, shapes[a]) for a in args))
+
+    def _abstract_counts(self, S: int) -> PenaltyCounts:
+        V = self._vocab_size
+        return PenaltyCounts(jax.ShapeDtypeStruct((S, V), np.float32), jax.ShapeDtypeStruct((S, V), np.bool_))
 
     def warmup(self, *, progress: bool = True) -> None:
         keys = [k for k in self.program_keys() if k not in self._executables]
@@ -312,21 +318,26 @@ class StepExecutor:
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
             penalties = needs.penalties or needs.logprobs  # see _BURST_VARIANTS
             burst = self._executable(("burst", T, S, sampler, penalties, needs.logprobs))
-            hist = (None, None)
+            counts = None
             if penalties:
-                hist = (self._empty_history(S) if batch.history is None else batch.history, prev_burst)
-            tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, *hist)
+                history = self._empty_history(S) if batch.history is None else batch.history
+                counts = count_penalties(self._sampler_call(S), batch.rows, history, prev, prev_burst,
+                                         chunk=self._history_chunk)
+            tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, counts)
             return tokens, last, logprobs, kv_pages
         model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev)
-        tokens, logprobs = run_sampler(lambda name, *args: self._executable((name, S))(*args), logits, greedy,
-                                       batch.rows, batch.history, prev, prev_burst, batch.needs)
+        tokens, logprobs = run_sampler(self._sampler_call(S), logits, greedy, batch.rows, batch.history, prev,
+                                       prev_burst, batch.needs, history_chunk=self._history_chunk)
         return tokens, tokens, logprobs, kv_pages
 
+    def _sampler_call(self, S: int) -> Callable:
+        return lambda name, *args: self._executable((name, S))(*args)
+
     def _empty_history(self, S: int) -> jax.Array:
-        """The penalty history of S rows without penalties (all -1), kept on the device."""
+        """The penalty history of S rows without penalties (one chunk of -1), kept on the device."""
         h = self._empty_histories.get(S)
         if h is None:
             h = self._empty_histories[S] = jax.device_put(self._empty_batch(S, S).history, self._batch_sharding)

@@ -18,7 +18,7 @@ that the model program replaces with row i of step k's token output, on the devi
 (runtime/step.py). The scheduler plans from token counts, which it knows; a request that turns
 out to have stopped at step k (EOS, stop id) wastes its row of step k+1, which resolve discards.
 Penalties count a row's previous tokens, the last of which is on the device only: the packer
-puts a placeholder for it in the row's history, which the penalize program reads from step k's
+puts a placeholder for it in the row's history, which the count program reads from step k's
 tokens as the model program does for the input token (runtime/sampling.py, history_placeholder).
 
 That holds only because the step programs never make the host wait for the device: no
@@ -211,7 +211,7 @@ class Engine:
             make_model_fn(model.forward), params=model.params, kv_pages=self.kv_pages, mesh=model.mesh,
             table=self.buckets, empty_batch=self.packer.empty, vocab_size=cfg.vocab_size,
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
-            burst_fn=make_burst_fn(model.forward, cfg.vocab_size) if config.decode_steps > 1 else None,
+            burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
         )
         self._watcher = CompileWatcher()

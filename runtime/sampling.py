@@ -5,7 +5,9 @@ Per row, in order (HF's logits-processor order, with vLLM's place for the logit 
   1. repetition penalty over the row's prompt + output tokens, presence and frequency penalties
      over its output tokens (OpenAI's definitions); the last output token (the last K after a
      burst) may still be on the device only (lookahead): the host history holds placeholders for
-     them (`history_placeholder`, `burst_history_placeholder`);
+     them (`history_placeholder`, `burst_history_placeholder`). The counts they read come from
+     the history in chunks of a fixed width (`count_penalties`), so a step ships and scans the
+     history its rows hold, not max_model_len entries a row;
   2. EOS and stop token ids banned (-inf) while the row is below min_tokens (the host fills
      `banned` for the rows below it; a burst lifts a row's ban at its `ban_before`: `advance_rows`);
   3. greedy rows (temperature 0) take the argmax here;
@@ -21,6 +23,8 @@ engine's host work could not overlap the device. The packer already knows which 
 every dispatch returns at once:
 
     model program (runtime/step.py)  forward -> raw logits f32[S, V] and `greedy` tokens
+    count          -> penalty counts of the history's first chunk      when some row has penalties or a bias
+    count_more     -> those counts with one more chunk added           per further chunk of the history
     penalize       -> penalized logits and their `greedy` tokens      when some row has penalties or a bias
     pick           -> tokens: random rows drawn, greedy rows argmax    when some row is random
     pick_filtered  -> the same with top-k/top-p/min-p cutoffs          when some random row filters
@@ -29,7 +33,7 @@ every dispatch returns at once:
 Loops whose trip count is known at compile time (threefry's rounds) do not wait on the host;
 tests/runtime/test_step.py checks every compiled program for conditionals and other loops.
 
-A plain greedy step is the model program alone. Four sampler programs per seq bucket (the two
+A plain greedy step is the model program alone. Six sampler programs per seq bucket (the two
 pick variants because the sort is most of the sampler's work; folding penalties or logprobs into
 variants instead would multiply the programs to compile).
 
@@ -225,9 +229,9 @@ def _row_ids(ids: jax.Array, V: int) -> tuple[jax.Array, jax.Array]:
     return rows, jnp.where(ids < 0, V, ids)
 
 
-def _scatter_rows(shape, ids: jax.Array, values: jax.Array, dtype) -> jax.Array:
-    """out[s, ids[s, j]] += values[s, j]; ids < 0 are dropped.  ids: i32[S, W] -> dtype[S, V]."""
-    return jnp.zeros(shape, dtype).at[_row_ids(ids, shape[1])].add(values.astype(dtype), mode="drop")
+def _scatter_rows(base: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """base[s, ids[s, j]] += values[s, j]; ids < 0 are dropped.  ids: i32[S, W], base: [S, V]."""
+    return base.at[_row_ids(ids, base.shape[1])].add(values.astype(base.dtype), mode="drop")
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:  # f32[S, V], i32[S, NB] -> f32[S, V]
@@ -244,13 +248,25 @@ class PenaltyCounts(NamedTuple):
     seen: jax.Array  # bool[S, V]: whether it occurs in the prompt or the output
 
 
-def penalty_counts(b: SamplingBatch, history: jax.Array, vocab_size: int) -> PenaltyCounts:
-    """The counts the penalties read, of history i32[S, W] (prompt + output ids, -1 padded)."""
-    S, W = history.shape
+# Entries of the penalty history a count program reads per call. The packer ships the history in
+# whole chunks (at least one, `BatchPacker`), as wide as its longest penalized row needs: a step
+# costs what its rows hold, while one [S, max_model_len] array cost 134 MB and 193 ms of host time a
+# step at 256 rows x 131,072 (llama3_2_1b's default max_model_len) before its scan on the device.
+HISTORY_CHUNK = 2048
+
+
+def penalty_counts(b: SamplingBatch, history: jax.Array, vocab_size: int, *, start=0,
+                   counts: PenaltyCounts | None = None) -> PenaltyCounts:
+    """The counts the penalties read, of history i32[S, C] (prompt + output ids, -1 padded), whose
+    entry j is the row's token at index start + j; added to `counts` (those of the entries before
+    start) when given. Whole counts in f32: the same values in any order of chunks."""
+    S, C = history.shape
+    if counts is None:
+        counts = PenaltyCounts(jnp.zeros((S, vocab_size), jnp.float32), jnp.zeros((S, vocab_size), jnp.bool_))
     valid = history >= 0
-    is_out = jnp.arange(W, dtype=jnp.int32)[None, :] >= b.num_prompt[:, None]
-    return PenaltyCounts(_scatter_rows((S, vocab_size), history, valid & is_out, jnp.float32),
-                         _scatter_rows((S, vocab_size), history, valid, jnp.int32) > 0)
+    is_out = start + jnp.arange(C, dtype=jnp.int32)[None, :] >= b.num_prompt[:, None]
+    seen = counts.seen.at[_row_ids(history, vocab_size)].set(True, mode="drop")
+    return PenaltyCounts(_scatter_rows(counts.out, history, valid & is_out), seen)
 
 
 def count_sampled(counts: PenaltyCounts, tokens: jax.Array) -> PenaltyCounts:
@@ -335,13 +351,37 @@ def resolve_history(history: jax.Array, prev: jax.Array, prev_burst: jax.Array) 
     return jnp.where(history <= -2, pool[jnp.clip(-history - 2, 0, pool.shape[0] - 1)], history)
 
 
-def penalize(logits: jax.Array, rows: jax.Array, history: jax.Array, prev: jax.Array, prev_burst: jax.Array, *,
-             slots: int) -> tuple[jax.Array, jax.Array]:
-    """f32[S, V], i32[S, K], i32[S, W], i32[slots], i32[K, slots] -> penalized logits f32[S, V] and
-    their greedy tokens i32[slots]; history placeholders stand for prev's or prev_burst's tokens
-    (`resolve_history`)."""
+def count(rows: jax.Array, history: jax.Array, prev: jax.Array, prev_burst: jax.Array, *,
+          vocab_size: int) -> PenaltyCounts:
+    """i32[S, K], the history's first chunk i32[S, C], i32[slots], i32[K, slots] -> its penalty
+    counts; placeholders stand for prev's or prev_burst's tokens (`resolve_history`)."""
+    return penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab_size)
+
+
+def count_more(counts: PenaltyCounts, history: jax.Array, start: jax.Array, rows: jax.Array, prev: jax.Array,
+               prev_burst: jax.Array, *, vocab_size: int) -> PenaltyCounts:
+    """`counts` with the history chunk i32[S, C] of entries start.. (an i32 scalar) added."""
+    return penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab_size,
+                          start=start, counts=counts)
+
+
+def count_penalties(call: Callable, rows, history, prev, prev_burst, *, chunk: int):
+    """The penalty counts of history i32[S, n * chunk] by the count programs, one call per chunk:
+    `call(name, *args)` runs program `name`."""
+    W = history.shape[1]
+    if W % chunk or not W:
+        raise ValueError(f"a penalty history of {W} entries is not whole chunks of {chunk}")
+    counts = call("count", rows, history if W == chunk else history[:, :chunk], prev, prev_burst)  # no device slice
+    for start in range(chunk, W, chunk):
+        counts = call("count_more", counts, history[:, start : start + chunk], np.int32(start), rows, prev, prev_burst)
+    return counts
+
+
+def penalize(logits: jax.Array, rows: jax.Array, counts: PenaltyCounts, *, slots: int) -> tuple[jax.Array, jax.Array]:
+    """f32[S, V], i32[S, K], the rows' penalty counts (`count`) -> penalized logits f32[S, V] and
+    their greedy tokens i32[slots]."""
     b = sampling_rows(rows)
-    logits = apply_penalties(logits, b, penalty_counts(b, resolve_history(history, prev, prev_burst), logits.shape[1]))
+    logits = apply_penalties(logits, b, counts)
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
 
@@ -423,19 +463,23 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, *, max_logprobs: int)
 
 class SamplerProgram(NamedTuple):
     fn: Callable
-    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, W], "tokens" i32[slots],
-    #                        "prev" i32[slots] (the previous step's tokens), "prev_burst" i32[K, slots] (the
-    #                        previous step's when it was a burst)
+    args: tuple[str, ...]  # of "logits" f32[S, V], "rows" i32[S, K], "history" i32[S, C] (a chunk), "start" i32
+    #                        (the chunk's first index), "counts" PenaltyCounts, "tokens" i32[slots], "prev"
+    #                        i32[slots] (the previous step's tokens), "prev_burst" i32[K, slots] (the previous
+    #                        step's when it was a burst)
 
 
 @functools.cache
-def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]:
+def sampler_programs(max_logprobs: int, slots: int, vocab_size: int) -> dict[str, SamplerProgram]:
     """The sampler programs by name; their tokens are i32[slots] (`pad_slots`). Cached: JAX caches
     traces and executables per function object, so engines in one process compile each shape once
     between them."""
     return {
-        "penalize": SamplerProgram(functools.partial(penalize, slots=slots),
-                                   ("logits", "rows", "history", "prev", "prev_burst")),
+        "count": SamplerProgram(functools.partial(count, vocab_size=vocab_size),
+                                ("rows", "history", "prev", "prev_burst")),
+        "count_more": SamplerProgram(functools.partial(count_more, vocab_size=vocab_size),
+                                     ("counts", "history", "start", "rows", "prev", "prev_burst")),
+        "penalize": SamplerProgram(functools.partial(penalize, slots=slots), ("logits", "rows", "counts")),
         "pick": SamplerProgram(functools.partial(pick, filters=False, slots=slots), ("logits", "rows")),
         "pick_filtered": SamplerProgram(functools.partial(pick, filters=True, slots=slots), ("logits", "rows")),
         "logprobs": SamplerProgram(functools.partial(sampled_logprobs, max_logprobs=max_logprobs),
@@ -443,15 +487,17 @@ def sampler_programs(max_logprobs: int, slots: int) -> dict[str, SamplerProgram]
     }
 
 
-def run_sampler(call: Callable, logits, greedy_tokens, rows, history, prev, prev_burst, needs: SamplingNeeds):
+def run_sampler(call: Callable, logits, greedy_tokens, rows, history, prev, prev_burst, needs: SamplingNeeds, *,
+                history_chunk: int):
     """The sampler programs one step needs, in order: `call(name, *args)` runs program `name`.
     logits: the model's raw f32[S, V]; greedy_tokens: i32[slots], `greedy` of them; history:
-    i32[S, W] (None unless needs.penalties); prev i32[slots] and prev_burst i32[K, slots]: the
-    previous step's tokens (what history placeholders stand for; `resolve_history`). -> (tokens
-    i32[slots], Logprobs or None when no row asked)."""
+    i32[S, n * history_chunk] (None unless needs.penalties); prev i32[slots] and prev_burst
+    i32[K, slots]: the previous step's tokens (what history placeholders stand for;
+    `resolve_history`). -> (tokens i32[slots], Logprobs or None when no row asked)."""
     x, tokens = logits, greedy_tokens
     if needs.penalties:
-        x, tokens = call("penalize", logits, rows, history, prev, prev_burst)
+        counts = count_penalties(call, rows, history, prev, prev_burst, chunk=history_chunk)
+        x, tokens = call("penalize", logits, rows, counts)
     if needs.random:
         tokens = call("pick_filtered" if needs.filters else "pick", x, rows)
     return tokens, call("logprobs", logits, tokens) if needs.logprobs else None

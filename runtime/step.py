@@ -10,9 +10,10 @@ computed into real outputs; the tokens sampled for padding rows are ignored by t
 Every host->device copy is a transfer of its own, so a step ships few arrays: all StepBatch
 fields end to end in one i32 buffer (`StepLayout`), all sampling fields in one i32[S, K] rows
 buffer (runtime/sampling.py; apart from the model buffer because the sampler programs are
-compiled per seq bucket, not per (T, S)), and the [S, W] penalty history only when some row has
-penalties. The programs unpack them with static slices. The packer also records which sampler
-programs the step needs (`SamplingNeeds`): it knows every row's settings.
+compiled per seq bucket, not per (T, S)), and the [S, n * C] penalty history only when some row
+has penalties (n chunks of C = HISTORY_CHUNK entries, as many as its longest penalized row needs).
+The programs unpack them with static slices. The packer also records which sampler programs the
+step needs (`SamplingNeeds`): it knows every row's settings.
 
 Logits are computed only for the last token of each sequence (`logits_indices`), one row per
 slot, so the LM head and the sampler run on [S, V] rather than [T, V].
@@ -31,9 +32,9 @@ import numpy as np
 from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
 from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, bias_columns,
-                              burst_history_placeholder, count_sampled, empty_rows, greedy, history_placeholder,
-                              pad_slots, penalty_counts, pick, put_bias_rows, put_request_rows, request_row,
-                              resolve_history, sampled_logprobs, sampling_rows, split_seed)
+                              HISTORY_CHUNK, burst_history_placeholder, count_sampled, empty_rows, greedy,
+                              history_placeholder, pad_slots, pick, put_bias_rows, put_request_rows, request_row,
+                              sampled_logprobs, sampling_rows, split_seed)
 from runtime.scheduler import StepPlan
 
 
@@ -77,7 +78,7 @@ class PackedBatch:
     layout: StepLayout
     flat: np.ndarray  # i32[layout.size]: the StepBatch
     rows: np.ndarray  # i32[S, K]: sampling rows (runtime/sampling.py)
-    history: np.ndarray | None  # i32[S, W]: prompt + output ids of rows with penalties, -1 padded
+    history: np.ndarray | None  # i32[S, n * C]: prompt + output ids of rows with penalties, -1 padded
     needs: SamplingNeeds  # which sampler programs the step runs
     steps: int = 1  # K > 1: a burst (StepPlan.num_steps); the arrays describe its first model step
 
@@ -134,31 +135,30 @@ def _build_model_fn(forward: Callable) -> Callable:
 BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 
 
-def make_burst_fn(forward: Callable, vocab_size: int) -> Callable:
-    """burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout, treedef, steps,
-    sampler, penalties, max_logprobs) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
+def make_burst_fn(forward: Callable) -> Callable:
+    """burst(param_leaves, kv_pages, flat, rows, prev, counts, layout, treedef, steps, sampler,
+    penalties, max_logprobs) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
     a burst of `steps` decode steps in one program (StepPlan.num_steps), for a forward of logits
-    f32[S, vocab_size]. The packed batch is its first model step, one token per sequence; model
-    step j feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j
-    (its pages cover the whole burst; both stop at the end of the page table), and samples with
-    the rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where met), so each
+    f32[S, V]. The packed batch is its first model step, one token per sequence; model step j
+    feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j (its
+    pages cover the whole burst; both stop at the end of the page table), and samples with the
+    rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where met), so each
     token is what a single step at that position would give: the same model program body and, per
     `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program. With
-    `penalties`, `history` i32[S, W] and `prev_burst` are the penalize program's inputs for the
-    first step (placeholders standing for prev's or prev_burst's tokens); the counts they give are
-    carried through the burst, each step's tokens added, and every step penalizes as that program
-    does. Without, both are None. With `max_logprobs` (an int, not None), `logprobs` is the
-    logprobs program's output for every step (runtime/sampling.Logprobs with a leading [steps]
-    axis: of the raw logits, for the tokens the step sampled); else None. `last` is the final model
-    step's tokens, the next step's `prev`. A fori_loop of static trip count: XLA runs it without
-    reading anything back to the host (runtime/sampling.py). Jit it with kv_pages donated and
-    layout, treedef, steps, sampler, penalties, max_logprobs static; one function object per
-    forward, as make_model_fn."""
-    return _cached(forward, "_xlaserve_burst_fn", lambda f: _build_burst_fn(f, vocab_size))
+    `penalties`, `counts` are the penalize program's input for the first step (the count programs'
+    output, runtime/sampling.py); they are carried through the burst, each step's tokens added, and
+    every step penalizes as that program does. Without, None. With `max_logprobs` (an int, not
+    None), `logprobs` is the logprobs program's output for every step (runtime/sampling.Logprobs
+    with a leading [steps] axis: of the raw logits, for the tokens the step sampled); else None.
+    `last` is the final model step's tokens, the next step's `prev`. A fori_loop of static trip
+    count: XLA runs it without reading anything back to the host (runtime/sampling.py). Jit it
+    with kv_pages donated and layout, treedef, steps, sampler, penalties, max_logprobs static; one
+    function object per forward, as make_model_fn."""
+    return _cached(forward, "_xlaserve_burst_fn", _build_burst_fn)
 
 
-def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
-    def burst(param_leaves, kv_pages, flat, rows, prev, history, prev_burst, layout: StepLayout, treedef, steps: int,
+def _build_burst_fn(forward: Callable) -> Callable:
+    def burst(param_leaves, kv_pages, flat, rows, prev, counts, layout: StepLayout, treedef, steps: int,
               sampler: str, penalties: bool, max_logprobs: int | None):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat)
@@ -190,9 +190,6 @@ def _build_burst_fn(forward: Callable, vocab_size: int) -> Callable:
                                    sampled_logprobs(raw, t, max_logprobs=max_logprobs))
             return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts, lps
 
-        counts = None
-        if penalties:  # the counts of the first step's history
-            counts = penalty_counts(sampling_rows(rows), resolve_history(history, prev, prev_burst), vocab_size)
         lps = None
         if max_logprobs is not None:
             S = layout.S
@@ -250,28 +247,29 @@ class BatchPacker:
     def __init__(self, *, pages_per_seq: int, history_len: int, max_banned: int, select_bucket: Callable,
                  slots: int):
         self.pages_per_seq = pages_per_seq  # P_max
-        self.history_len = history_len  # W
+        self.history_len = history_len  # W: entries a request's history keeps (max_model_len)
+        self.history_chunk = min(HISTORY_CHUNK, history_len)  # C: the count programs' width
         self.max_banned = max_banned  # NB
         self.select_bucket = select_bucket  # (num_tokens, num_seqs) -> (T, S)
         self.slots = slots  # rows of every program's tokens (the largest seq bucket)
 
-    def empty(self, T: int, S: int, *, history: bool = True) -> PackedBatch:
-        """An all-padding batch of bucket (T, S): the abstract shapes warmup compiles. With
-        history=False the penalty history is None (see `pack`)."""
+    def empty(self, T: int, S: int, *, history: int = 1) -> PackedBatch:
+        """An all-padding batch of bucket (T, S): the abstract shapes warmup compiles, with a
+        penalty history of `history` chunks (0: None, see `pack`)."""
         layout = StepLayout(T, S, self.pages_per_seq)
         return PackedBatch(
             layout=layout,
             flat=np.zeros(layout.size, np.int32),
             rows=empty_rows(S, self.max_banned),
-            history=np.full((S, self.history_len), -1, np.int32) if history else None,
+            history=np.full((S, history * self.history_chunk), -1, np.int32) if history else None,
             needs=SamplingNeeds(),
         )
 
     def pack(self, plan: StepPlan, sampling: Callable[[str], SeqSampling]) -> PackedBatch:
         """plan.seqs[i] fills slot i. `sampling(request_id)` gives a sequence's SeqSampling.
 
-        When no row has penalties the [S, W] history (W = max_model_len, the largest input) is
-        left None rather than filled and shipped: only the penalize program reads it, and it does
+        The penalty history holds as many chunks of C entries as the longest penalized row needs,
+        and is left None when no row has penalties: only the count programs read it, and they do
         not run then.
         """
         K = plan.num_steps  # a burst's arrays are its first model step: kv_len and sampled index K - 1 back
@@ -280,8 +278,14 @@ class BatchPacker:
         T, S = self.select_bucket(n_tok, n)
         seqs = plan.seqs
         samp = [sampling(seq.request_id) if seq.sample else None for seq in seqs]
+        # a burst's first model step: kv_len and the sampled token's index K - 1 before its end
+        after = [seq.num_computed_after - (K - 1) for seq in seqs]
         histories = [(i, s.history) for i, s in enumerate(samp) if s is not None and s.history is not None]
-        out = self.empty(T, S, history=bool(histories))
+        chunks = 0
+        if histories:  # entries the rows use: what the host holds, up to each sampled token's index
+            need = min(self.history_len, max(max(samp[i].history_len, after[i]) for i, _ in histories))
+            chunks = max(1, -(-need // self.history_chunk))
+        out = self.empty(T, S, history=chunks)
         out.steps = K
         b, sb = out.step, out.sampling
         m = b.attn
@@ -292,8 +296,6 @@ class BatchPacker:
             m.cu_q_lens[1 : n + 1] = cu
             m.cu_q_lens[n + 1 :] = cu[-1]
             b.logits_indices[:n] = cu - 1
-            # a burst's first model step: kv_len and the sampled token's index K - 1 before its end
-            after = [seq.num_computed_after - (K - 1) for seq in seqs]
             m.kv_lens[:n] = after
         # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
         d = plan.num_decode_tokens // K
@@ -328,8 +330,8 @@ class BatchPacker:
             if after[i] < s.ban_before:  # below min_tokens (a burst lifts the ban where met: advance_rows)
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
         for i, h in histories:
-            out.history[i] = h
             token, end = seqs[i].token_ids[-1], samp[i].history_len
+            out.history[i, :end] = h[:end]
             stop = min(after[i], len(h))  # the history holds the tokens before the sampled one
             if token < 0 and end < stop:  # the input token is still on the device: the history's last entry too
                 missing = after[i] - end  # 1 after a single step; after a burst all K of its tokens

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+import runtime.step
 from runtime.async_engine import AsyncEngine, GenerationRequest
 from runtime.checkpoint import load_model
 from runtime.compilation import BACKEND_COMPILE_EVENT
@@ -89,15 +90,20 @@ def assert_same_logprobs(got, want, rid):
         np.testing.assert_allclose(list(g.values()), list(w.values()), atol=atol, rtol=rtol, err_msg=f"{rid} {j}")
 
 
-def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps():
+def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps(monkeypatch):
     """Penalties, logit biases, min_tokens bans and logprobs inside decode bursts (4 model steps per
     program) give the tokens and logprobs single steps give, alone and in a random-arrival batch:
     consecutive bursts of penalized rows (the host resolves each before it packs the next), greedy
     and seeded random, logprobs with and without penalties in the burst, and min_tokens bans held
-    and lifted inside a burst. Runs without the shared checkpoint."""
+    and lifted inside a burst. The burst engine counts penalty histories in chunks of 16 entries
+    (up to 5 a step here), the single-step one in one chunk of max_model_len. Runs without the
+    shared checkpoint."""
     model = scaled_dummy()
     cfg = {**BASE, "seq_buckets": (8,)}
-    single, bursts = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(**cfg, decode_steps=4))
+    single = Engine(model, EngineConfig(**cfg))
+    monkeypatch.setattr(runtime.step, "HISTORY_CHUNK", 16)
+    bursts = Engine(model, EngineConfig(**cfg, decode_steps=4))
+    assert (single.packer.history_chunk, bursts.packer.history_chunk) == (256, 16)
     try:
         rng = np.random.default_rng()
         kinds = [dict(temperature=0.0, repetition_penalty=1.8), dict(temperature=0.0, frequency_penalty=2.0),

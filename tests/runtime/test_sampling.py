@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from runtime.request import MAX_LOGIT_BIAS
-from runtime.sampling import (SamplingNeeds, empty_rows, greedy, history_placeholder, pad_slots, run_sampler,
-                              sampler_programs, sampling_rows, split_seed, top_k, top_k_method)
+from runtime.sampling import (SamplingNeeds, count_penalties, empty_rows, greedy, history_placeholder, pad_slots,
+                              run_sampler, sampler_programs, sampling_rows, split_seed, top_k, top_k_method)
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
 SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens are padded to it
@@ -20,7 +20,7 @@ SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens 
 
 @functools.cache
 def programs(max_logprobs: int = M, slots: int = SLOTS):
-    jitted = {name: jax.jit(p.fn) for name, p in sampler_programs(max_logprobs, slots).items()}
+    jitted = {name: jax.jit(p.fn) for name, p in sampler_programs(max_logprobs, slots, V).items()}
     # the tail of the model program (runtime/step.py): the greedy tokens of the raw logits
     jitted["greedy"] = jax.jit(lambda logits, rows: pad_slots(greedy(logits, sampling_rows(rows).banned), slots))
     return jitted
@@ -35,10 +35,12 @@ def batch(rows: int = S, **fields) -> np.ndarray:
     return b
 
 
-def sample(logits, rows, history=None, *, prev=None, prev_burst=None, logprobs=True, needs=None, max_logprobs=M):
+def sample(logits, rows, history=None, *, prev=None, prev_burst=None, logprobs=True, needs=None, max_logprobs=M,
+           history_chunk=W):
     """Tokens and logprobs (None when not asked) as the executor runs the programs. needs:
     default what the rows need, as the packer decides; a caller may switch on more. prev and
-    prev_burst: the previous step's tokens that history placeholders stand for (default zeros)."""
+    prev_burst: the previous step's tokens that history placeholders stand for (default zeros).
+    The count programs read the history in chunks of history_chunk entries."""
     slots = max(SLOTS, len(rows))
     p = programs(max_logprobs, slots)
     logits = np.asarray(logits, np.float32)
@@ -48,7 +50,8 @@ def sample(logits, rows, history=None, *, prev=None, prev_burst=None, logprobs=T
         history = np.full((len(rows), W), -1, np.int32)
     prev = np.zeros(slots, np.int32) if prev is None else np.asarray(prev, np.int32)
     tokens, lp = run_sampler(lambda name, *args: p[name](*args), logits, p["greedy"](logits, rows), rows, history, prev,
-                             np.zeros((2, slots), np.int32) if prev_burst is None else prev_burst, needs)
+                             np.zeros((2, slots), np.int32) if prev_burst is None else prev_burst, needs,
+                             history_chunk=history_chunk)
     tokens = np.asarray(tokens)
     assert tokens.shape == (slots,) and not tokens[len(rows):].any()  # padding rows are 0
     return tokens[: len(rows)], None if lp is None else jax.tree.map(np.asarray, lp)
@@ -138,6 +141,15 @@ def test_penalties_match_reference():
     ref = penalized_reference(logits, history, num_prompt, rep, pres, freq)
     np.testing.assert_array_equal(tokens, ref.argmax(-1))
     assert tokens[0] == logits[0].argmax()  # a row without penalties is untouched
+    # Counted in chunks (prompt/output boundaries inside chunks and between them): the same counts.
+    p, zeros = programs(), (np.zeros(SLOTS, np.int32), np.zeros((2, SLOTS), np.int32))
+    whole = p["count"](b, history, *zeros)
+    for chunk in (4, 8):
+        parts = count_penalties(lambda name, *args: p[name](*args), b, history, *zeros, chunk=chunk)
+        jax.tree.map(np.testing.assert_array_equal, parts, whole)
+        np.testing.assert_array_equal(sample(logits, b, history, logprobs=False, history_chunk=chunk)[0], tokens)
+    with pytest.raises(ValueError, match="not whole chunks of 5"):
+        count_penalties(lambda name, *args: p[name](*args), b, history, *zeros, chunk=5)
     # Logprobs stay those of the raw model distribution.
     np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
 
@@ -171,7 +183,8 @@ def test_logit_bias_is_added_before_the_penalties():
     assert tokens[1] == worst[1] and tokens[2] != logits[2].argmax() and tokens[0] == logits[0].argmax()
     np.testing.assert_allclose(lp.sampled, log_softmax(logits.astype(np.float64))[np.arange(S), tokens], atol=1e-5)
     # The penalize program returns row 0's logits unchanged (no bias, no penalty): bit for bit.
-    x, _ = programs()["penalize"](logits, b, history, np.zeros(SLOTS, np.int32), np.zeros((2, SLOTS), np.int32))
+    counts = programs()["count"](b, history, np.zeros(SLOTS, np.int32), np.zeros((2, SLOTS), np.int32))
+    x, _ = programs()["penalize"](logits, b, counts)
     np.testing.assert_array_equal(np.asarray(x)[0], logits[0])
     # Random rows draw from the biased distribution: +100 on one id takes every draw.
     b2 = batch(bias_ids=ids, bias_values=vals, temperature=1.0, seeds=np.arange(2 * S).reshape(S, 2))

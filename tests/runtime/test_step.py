@@ -18,8 +18,8 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
-from runtime.sampling import (SamplingNeeds, burst_history_placeholder, empty_rows, history_placeholder, put_request_rows,
-                              sampling_rows)
+from runtime.sampling import (HISTORY_CHUNK, SamplingNeeds, burst_history_placeholder, count, empty_rows,
+                              history_placeholder, put_request_rows, sampling_rows)
 from runtime.scheduler import ScheduledSeq, StepPlan
 from runtime.step import BatchPacker, SeqSampling, StepLayout, make_burst_fn, make_model_fn
 from sharding.rules import kv_cache_sharding
@@ -92,6 +92,30 @@ def test_packer_marks_the_in_flight_token_in_penalty_histories():
     want = [burst_history_placeholder(-3, j, 4) for j in range(3)]
     np.testing.assert_array_equal(after.history[0, :8], [4, 5, 6, 11, *want, -1])
     assert want == [-(2 + 4 * (j + 1) + 2) for j in range(3)] and min(want) > -(2 + 4 * 4)
+
+
+def test_packer_ships_the_history_its_rows_use_in_whole_chunks():
+    """With a long max_model_len the history is as wide as whole HISTORY_CHUNKs of the longest
+    penalized row (prompt, outputs and the placeholders of tokens in flight), not max_model_len."""
+    C, L = HISTORY_CHUNK, 5 * HISTORY_CHUNK + 7
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=L, max_banned=NB,
+                         select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
+    short = SeqSampling.create(SamplingParams(repetition_penalty=1.2), 0, [4, 5, 6], eos_ids=[2], history_len=L)
+    one = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False)), {"s": short}.__getitem__)
+    assert one.history.shape == (2, C)
+    np.testing.assert_array_equal(one.history[0, :4], [4, 5, 6, -1])
+    prompt = list(range(3, C + 3))  # C + 1 entries known, its last output still in flight: C + 2 used
+    long = SeqSampling.create(SamplingParams(frequency_penalty=1.0), 0, prompt, eos_ids=[2], history_len=L)
+    long.append(9)
+    both = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False), seq("l", [-2], C + 1, [1], prefill=False)),
+                       {"s": short, "l": long}.__getitem__)
+    assert both.history.shape == (2, 2 * C)
+    np.testing.assert_array_equal(both.history[1, : C + 3], prompt + [9, history_placeholder(-2), -1])
+    assert (both.history[0, 3:] == -1).all()
+    # a row at max_model_len: every entry it can hold, in whole chunks (the last one partly padding)
+    long.history_len = L
+    full = packer.pack(plan_of(seq("l", [5], L - 1, [1], prefill=False)), {"l": long}.__getitem__)
+    assert full.history.shape == (2, 6 * C)
 
 
 def test_packer_lays_out_plan_and_padding():
@@ -196,8 +220,8 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     layout, flat = decode_batch(P, tokens=[-1, 0], positions=[9, 0], kv_lens=[10, 0], num_seqs=1)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _, lps = jax.jit(make_burst_fn(forward, 200_000), static_argnums=(7, 8, 9, 10, 11, 12))(
-        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, None, layout, treedef, K, "greedy",
+    out, last, _, lps = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10, 11))(
+        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, layout, treedef, K, "greedy",
         False, None)
     assert lps is None
     out = np.asarray(out)
@@ -239,10 +263,11 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     prev_burst = np.array([[9, 1, 0], [9, 3, 0]], np.int32)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((2, 4, 2, 8), np.float32),)
-    burst = jax.jit(make_burst_fn(forward, V), static_argnums=(7, 8, 9, 10, 11, 12))
+    burst = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10, 11))
     raw = np.asarray(jax.nn.log_softmax(ranked))
+    counts = count(rows, history, prev, prev_burst, vocab_size=V)  # what the count program gives the burst
     for sampler in ("greedy", "pick"):
-        out, _, _, lps = burst(leaves, kv, flat, rows, prev, history, prev_burst, layout, treedef, K, sampler, True, 3)
+        out, _, _, lps = burst(leaves, kv, flat, rows, prev, counts, layout, treedef, K, sampler, True, 3)
         out = np.asarray(out)[:, :S]
         np.testing.assert_array_equal(out[:, 0], [2, 4, 5, 6, 7], err_msg=sampler)
         np.testing.assert_array_equal(out[:, 1], [1, 1, 1, 0, 0], err_msg=sampler)
@@ -302,7 +327,7 @@ def test_step_matches_plain_forward(tiny_model, executor):
         np.testing.assert_allclose(lps[row], want_lps, atol=atol)
         np.testing.assert_array_equal(ids[row], want_ids)
     assert ex.compiled_buckets == [(16, 2), (32, 2)]
-    assert ex.num_warmup_compiles == 2 + 4  # a model program per bucket, 4 sampler programs for S = 2
+    assert ex.num_warmup_compiles == 2 + 6  # a model program per bucket, 6 sampler programs for S = 2
 
 
 def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeypatch):
@@ -320,7 +345,7 @@ def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeyp
     calls.clear()
     both = plan_of(seq("g", [1, 2, 3], 0, [1]), seq("r", [1, 2, 3], 0, [2]))
     tokens, _, lp, kv = ex(m.params, kv, packer.pack(both, table.__getitem__))
-    assert calls == [("model", 16, 2), ("penalize", 2), ("pick_filtered", 2), ("logprobs", 2)]
+    assert calls == [("model", 16, 2), ("count", 2), ("penalize", 2), ("pick_filtered", 2), ("logprobs", 2)]
     assert np.asarray(lp.top_ids).shape == (2, 5)
 
 
@@ -358,7 +383,7 @@ def test_gpu_cublas_option_stays_off_other_backends(tiny_model, monkeypatch):
     packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select, slots=2)
     ex = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh, table=table,
                       empty_batch=packer.empty, vocab_size=m.config.vocab_size, max_logprobs=5, strict=True,
-                      burst_fn=make_burst_fn(m.forward, m.config.vocab_size), decode_steps=2,
+                      burst_fn=make_burst_fn(m.forward), decode_steps=2,
                       gpu_cublas_min_tokens=1)
     keys = ex.program_keys()
     assert all(ex.compiler_options(k) == {} for k in keys)
