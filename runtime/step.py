@@ -215,7 +215,7 @@ class SeqSampling:
     # tokens reach the host (lookahead), and the same after a recompute (preemption).
     ban_before: int
     row: bytes  # its sampling row's constant columns (runtime/sampling.py, request_row)
-    history: np.ndarray | None = None  # i32[W]: prompt + output ids, kept only when penalties are on
+    history: np.ndarray | None = None  # i32[<= W]: prompt + output ids, kept only when penalties are on
     history_len: int = 0
     bias: np.ndarray | None = None  # its logit-bias columns (runtime/sampling.py, bias_columns); None: no bias
 
@@ -228,8 +228,9 @@ class SeqSampling:
         s = cls(params, np.asarray(banned, np.int32), ban_before,
                 request_row(params, split_seed(seed), len(prompt) if penalties else 0, ban_before),
                 bias=bias_columns(params.logit_bias))
-        if penalties:
-            s.history = np.full(history_len, -1, np.int32)
+        if penalties:  # room for every token the request can have (a queue of them costs no more)
+            cap = history_len if params.max_tokens is None else min(history_len, len(prompt) + params.max_tokens)
+            s.history = np.full(cap, -1, np.int32)
             s.history[: len(prompt)] = prompt
             s.history_len = len(prompt)
         return s

@@ -101,11 +101,14 @@ def test_packer_ships_the_history_its_rows_use_in_whole_chunks():
     packer = BatchPacker(pages_per_seq=P_MAX, history_len=L, max_banned=NB,
                          select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
     short = SeqSampling.create(SamplingParams(repetition_penalty=1.2), 0, [4, 5, 6], eos_ids=[2], history_len=L)
+    assert short.history.shape == (3 + 16,)  # the prompt and max_tokens (16), not max_model_len
     one = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False)), {"s": short}.__getitem__)
     assert one.history.shape == (2, C)
     np.testing.assert_array_equal(one.history[0, :4], [4, 5, 6, -1])
     prompt = list(range(3, C + 3))  # C + 1 entries known, its last output still in flight: C + 2 used
-    long = SeqSampling.create(SamplingParams(frequency_penalty=1.0), 0, prompt, eos_ids=[2], history_len=L)
+    long = SeqSampling.create(SamplingParams(frequency_penalty=1.0, max_tokens=None), 0, prompt, eos_ids=[2],
+                              history_len=L)
+    assert long.history.shape == (L,)
     long.append(9)
     both = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False), seq("l", [-2], C + 1, [1], prefill=False)),
                        {"s": short, "l": long}.__getitem__)
