@@ -250,8 +250,9 @@ class PenaltyCounts(NamedTuple):
 
 # Entries of the penalty history a count program reads per call. The packer ships the history in
 # whole chunks (at least one, `BatchPacker`), as wide as its longest penalized row needs: a step
-# costs what its rows hold, while one [S, max_model_len] array cost 134 MB and 193 ms of host time a
-# step at 256 rows x 131,072 (llama3_2_1b's default max_model_len) before its scan on the device.
+# costs what its rows hold. One [S, max_model_len] array was 134 MB a step at 256 rows x 131,072
+# (llama3_2_1b's default max_model_len): 49 ms to pack on the CI machine, then its transfer and a
+# scan on the device; the offline run with a repetition penalty took 3x as long (docs/benchmarks.md).
 HISTORY_CHUNK = 2048
 
 
