@@ -282,11 +282,11 @@ class BatchPacker:
         # a burst's first model step: kv_len and the sampled token's index K - 1 before its end
         after = [seq.num_computed_after - (K - 1) for seq in seqs]
         histories = [(i, s.history) for i, s in enumerate(samp) if s is not None and s.history is not None]
-        chunks = 0
-        if histories:  # entries the rows use: what the host holds, up to each sampled token's index
-            need = min(self.history_len, max(max(samp[i].history_len, after[i]) for i, _ in histories))
-            chunks = max(1, -(-need // self.history_chunk))
-        out = self.empty(T, S, history=chunks)
+        # each history holds the tokens before the sampled one: entries up to `stop` (placeholders
+        # past what the host has), and the shipped width covers the longest in whole chunks
+        stops = [min(after[i], len(h)) for i, h in histories]
+        need = max((max(samp[i].history_len, stop) for (i, _), stop in zip(histories, stops)), default=0)
+        out = self.empty(T, S, history=max(1, -(-need // self.history_chunk)) if histories else 0)
         out.steps = K
         b, sb = out.step, out.sampling
         m = b.attn
@@ -330,10 +330,9 @@ class BatchPacker:
             s = samp[i]
             if after[i] < s.ban_before:  # below min_tokens (a burst lifts the ban where met: advance_rows)
                 sb.banned[i, : len(s.stop_ids)] = s.stop_ids
-        for i, h in histories:
+        for (i, h), stop in zip(histories, stops):
             token, end = seqs[i].token_ids[-1], samp[i].history_len
             out.history[i, :end] = h[:end]
-            stop = min(after[i], len(h))  # the history holds the tokens before the sampled one
             if token < 0 and end < stop:  # the input token is still on the device: the history's last entry too
                 missing = after[i] - end  # 1 after a single step; after a burst all K of its tokens
                 if missing == 1:
