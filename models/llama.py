@@ -100,28 +100,28 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, mlp_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.dtype = dtype
+        self.dtype, self.mlp_impl = dtype, mlp_impl
         # gate and up as one [D, 2, F] matrix: one GEMM (sharded over F, each shard's two halves local)
         self.gate_up_proj = _param(rngs, (D, 2, F), ("embed", None, "mlp"), param_dtype)
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x):  # [T, D]
         dt, prec = self.dtype, _precision(self.dtype)
-        gu = jnp.einsum("td,dgf->tgf", x, self.gate_up_proj[...].astype(dt), precision=prec)
-        return jnp.matmul(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down_proj[...].astype(dt), precision=prec)
+        h = dispatch.swiglu(x, self.gate_up_proj[...].astype(dt), precision=prec, implementation=self.mlp_impl)
+        return jnp.matmul(h, self.down_proj[...].astype(dt), precision=prec)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, mlp_impl: str, dtype,
+                 param_dtype, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, mlp_impl=mlp_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, h, cos, sin, kv_pages, meta, next_norm: RMSNorm | None):
         """x: the residual stream, h: input_norm(x) (the previous layer computed it with its last
@@ -142,16 +142,17 @@ class LlamaModel(nnx.Module):
     `attn_impl` is the attention implementation for the platform the model lives on (chosen by
     pallas_kernels.dispatch.select_attention_impl); it is static, part of the graph, not of the params.
     So is `head_mesh` (sharding.rules.head_parallel_mesh): when set, each layer's KV write and
-    attention run per shard of its `tensor` axis (shard_map), every device on its own heads.
+    attention run per shard of its `tensor` axis (shard_map), every device on its own heads. And
+    `mlp_impl` (dispatch.select_mlp_impl): the MLP's fused SwiGLU kernel on one Hopper GPU, or XLA.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
-                 kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None):
+                 kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None, mlp_impl: str = "reference"):
         param_dtype = param_dtype or dtype
         self.cfg, self.dtype = cfg, dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
+            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl, dtype=dtype,
                          param_dtype=param_dtype, rngs=rngs)
             for _ in range(cfg.num_layers)
         )
@@ -262,11 +263,11 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1,
-                   attn_impl: str = "reference", head_mesh=None) -> LlamaModel:
+                   attn_impl: str = "reference", head_mesh=None, mlp_impl: str = "reference") -> LlamaModel:
     """The model with ShapeDtypeStruct leaves: shapes for loaders, no memory allocated."""
     return nnx.eval_shape(
         lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat,
-                           attn_impl=attn_impl, head_mesh=head_mesh)
+                           attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl)
     )
 
 

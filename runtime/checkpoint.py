@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
-from pallas_kernels.dispatch import select_attention_impl
+from pallas_kernels.dispatch import select_attention_impl, select_mlp_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
@@ -120,7 +120,8 @@ def load_model(
 def _model_parts(cfg: ModelConfig, mesh, dtype):
     impl = select_attention_impl(mesh.devices.flat[0].platform, cfg.head_dim)  # = LoadedModel.attn_impl
     graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh), attn_impl=impl,
-                                                   head_mesh=head_parallel_mesh(cfg, mesh)))
+                                                   head_mesh=head_parallel_mesh(cfg, mesh),
+                                                   mlp_impl=select_mlp_impl(mesh)))
     return graphdef, abs_state, state_shardings(abs_state, mesh, cfg)
 
 
