@@ -152,8 +152,8 @@ class LlamaModel(nnx.Module):
         self.cfg, self.dtype = cfg, dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl, dtype=dtype,
-                         param_dtype=param_dtype, rngs=rngs)
+            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl,
+                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             for _ in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
