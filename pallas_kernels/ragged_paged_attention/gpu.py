@@ -3,7 +3,9 @@
 Work decomposition (all static shapes, so one compile serves every batch of a given padding):
   * a work item is up to `q_tokens_per_block` query tokens of ONE sequence; the item table
     (sequence, first token) is built with a few jnp ops before the launch, with a static upper
-    bound of min(T, cdiv(T, bq) + S) items (unused items exit at once);
+    bound of min(T, cdiv(T, bq) + S) items. Unused items write zeros to the padding tokens' rows
+    (without splits; with splits the merge does), so no select over the output follows the call
+    (one a layer, 15 ms of the offline run on an H100);
   * grid = (items, KV heads, kv_splits). A program stacks the q heads of its KV head as matmul
     rows (rows = tokens x q heads per KV head, padded to a power of two >= 16, Triton's minimum),
     so each K/V row is read once per KV head, not once per q head: decode is bandwidth bound;
@@ -136,6 +138,7 @@ def _kernel(
     kv_lens_ref,  # i32[S]
     page_indices_ref,  # i32[S * P_max]
     cu_q_lens_ref,  # i32[S + 1]
+    num_seqs_ref,  # i32[1]
     q_ref,  # [T * N, H]
     kv_ref,  # [P * G * 2K, H]
     o_ref,  # [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]
@@ -158,6 +161,23 @@ def _kernel(
     s = item_seq_ref[i]
     f32 = jnp.float32
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+    if kv_splits == 1:
+        # An unused item zeroes up to q_tokens padding tokens (those before cu_q_lens[0] and from
+        # cu_q_lens[num_seqs] on; item_tok holds its first index among them): the step's padding
+        # rows come out as zeros with no select over the whole output after the call. There are
+        # always enough unused items for that (_work_items).
+        @pl.when(s < 0)
+        def _():
+            r = jnp.arange(rows, dtype=jnp.int32)
+            lead, tail = cu_q_lens_ref[0], cu_q_lens_ref[num_seqs_ref[0]]
+            p = item_tok_ref[i] + lax.div(r, q_per_kv)
+            tok = jnp.where(p < lead, p, p - lead + tail)
+            ok = (r < q_tokens * q_per_kv) & (tok < q_ref.shape[0] // num_heads)
+            dst = jnp.where(ok, tok * num_heads + h * q_per_kv + lax.rem(r, q_per_kv), q_ref.shape[0] + r)
+            cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
+            plgpu.store(o_ref.at[dst[:, None], cols], jnp.zeros((rows, q_ref.shape[1]), o_ref.dtype),
+                        mask=ok[:, None])
 
     @pl.when(s >= 0)
     def _():
@@ -236,7 +256,11 @@ def _kernel(
 
 
 def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
-    """(sequence, first token) of each work item of <= q_tokens tokens of one sequence; -1 unused."""
+    """(sequence, first token) of each work item of <= q_tokens tokens of one sequence; -1 unused.
+    Unused item j gets j * q_tokens as its token: the first of the padding tokens it zeroes, counted
+    over the padding (those before cu_q_lens[0], then those from cu_q_lens[num_seqs] on). Unused
+    items always cover the padding: with num_items = cdiv(T, q) + S, used <= real / q + S, so
+    unused >= (T - real) / q; with num_items = T, each used item holds a token, so unused >= T - real."""
     S = cu_q_lens.shape[0] - 1
     live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
     n_items = jnp.where(live, (cu_q_lens[1:] - cu_q_lens[:-1] + q_tokens - 1) // q_tokens, 0)
@@ -246,7 +270,9 @@ def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
     # graph and runs as host-paced launches on the GPU (7 iterations at 64 slots).
     seq = jnp.minimum(jnp.searchsorted(ends, idx, side="right", method="compare_all"), S - 1).astype(jnp.int32)
     tok = cu_q_lens[seq] + (idx - (ends[seq] - n_items[seq])) * q_tokens
-    return jnp.where(idx < ends[-1], seq, -1).astype(jnp.int32), tok.astype(jnp.int32)
+    used = idx < ends[-1]
+    return (jnp.where(used, seq, -1).astype(jnp.int32),
+            jnp.where(used, tok, (idx - ends[-1]) * q_tokens).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes",
@@ -275,7 +301,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     outs = pl.pallas_call(
         kernel,
         grid=(num_items, K, splits),
-        in_specs=[any_spec] * 7,
+        in_specs=[any_spec] * 8,
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
@@ -283,14 +309,12 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         cost_estimate=ref_cost_estimate(q, kv_pages, page_indices, soft_cap=soft_cap),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, q.reshape(T * N, H),
+    )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, q.reshape(T * N, H),
       kv_pages.reshape(P * G * K2, H))
     if splits > 1:  # the merge writes every token, zeros for padding ones
         return _merge_splits(*outs, cu_q_lens, num_seqs, num_heads=N, dtype=q.dtype,
                              interpret=interpret).reshape(T, N, H)
-    t = jnp.arange(T, dtype=jnp.int32)
-    real = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])
-    return jnp.where(real[:, None, None], outs[0].reshape(T, N, H), jnp.zeros((), q.dtype))
+    return outs[0].reshape(T, N, H)  # padding rows zeroed by the unused items
 
 
 def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,

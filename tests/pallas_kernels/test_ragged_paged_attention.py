@@ -144,6 +144,7 @@ def check_kernel(run, case: str, dtype):
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all(), "non-finite output (padding tokens must be finite too)"
+    np.testing.assert_array_equal(out[n_real:], 0.0, err_msg="padding tokens' outputs must be zero")
     atol, rtol = tol(dtype)
     np.testing.assert_allclose(out[:n_real], ref[:n_real], atol=atol, rtol=rtol)
 
@@ -194,6 +195,25 @@ def test_gpu_kernel(case, dtype):
     splits = 1 if case in SHAPES and list(SHAPES).index(case) % 2 else 2  # both epilogues over shapes
     bs = gpu_test_blocks(CASES[case][0], splits)
     check_kernel(functools.partial(gpu.ragged_paged_attention, block_sizes=bs, interpret=True), case, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gpu_kernel_leading_padding(splits):
+    """Tokens before cu_q_lens[0] are padding too: zero, like those past cu_q_lens[num_seqs] (with one
+    split the kernel's unused work items write both; with several, the merge)."""
+    shape, batch = BASE, BATCHES["mixed"]
+    (q, *rest), n_real = make_inputs(shape, batch, jnp.float32, seed=5)
+    lead = 5
+    q = jnp.concatenate([jnp.full((lead,) + q.shape[1:], jnp.nan, q.dtype), q[:-lead]])
+    cu = rest[3].at[: len(batch.q_lens) + 1].add(lead)
+    args = (q, rest[0], rest[1], rest[2], cu, rest[4])
+    want = np.asarray(ref_ragged_paged_attention(*args, **_opts(shape)))
+    got = np.asarray(gpu.ragged_paged_attention(*args, **_opts(shape), interpret=True,
+                                                block_sizes=gpu_test_blocks(shape, splits)))
+    real = np.zeros(shape.T, bool)
+    real[lead: lead + n_real] = True
+    np.testing.assert_array_equal(got[~real], 0.0)
+    np.testing.assert_allclose(got[real], want[real], atol=tol(jnp.float32)[0], rtol=tol(jnp.float32)[1])
 
 
 @pytest.mark.parametrize("case", ["decode_only", "prefill_only"])
