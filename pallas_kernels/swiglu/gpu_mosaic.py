@@ -66,14 +66,11 @@ class BlockSizes:
         return itemsize * (ring + _COMPUTE_WGS * 2 * _EPI * _EPI)
 
 
+# H100 and H200 sweeps at llama3_2_1b's shape (docs/kernels/swiglu.md): groups of 8 column blocks were
+# the best or within run-to-run noise (3-5%) of it at 256-8,192 rows on H100s; 4 stages beat 3; 64 x
+# 64 tiles, 128-deep k steps, 2-CTA clusters sharing the weight tiles and one wgmma group kept in
+# flight gained nothing.
 DEFAULT_BLOCK_SIZES = BlockSizes()
-
-
-def default_block_sizes(T: int) -> BlockSizes:
-    """H200 sweep at llama3_2_1b's shape (D = 2,048, F = 8,192; docs/kernels/swiglu.md): groups of
-    8 column blocks were 15% faster than 1 at 256 rows (32.5 against 38.2 us) and 3-5% slower at
-    2,048-8,192 rows (862.7 against 834.5 us at 8,192), where 16+ row blocks are in flight."""
-    return DEFAULT_BLOCK_SIZES if T < 16 * _COMPUTE_WGS * DEFAULT_BLOCK_SIZES.block_m else BlockSizes(group_n=1)
 
 
 def supports(x: jax.Array, w: jax.Array, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES) -> bool:
@@ -129,11 +126,11 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, bs: BlockSizes):
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tile(info):
             (idx,) = info.index
-            # Tiles in groups of group_n weight column blocks, rows varying fastest within a group
-            # (snaking between groups): the tiles in flight at once (one per SM) share a few
-            # column blocks of the weight and a few row blocks of x, so both come from L2. With
-            # columns varying fastest every row block re-read the whole weight (67 MB at
-            # llama3_2_1b, more than L2) from memory.
+            # Tiles in groups of group_n weight column blocks (the columns varying fastest within a
+            # group, then the rows; snaking between groups): the tiles in flight at once (one per
+            # SM) share a few column blocks of the weight and a few row blocks of x, so both come
+            # from L2. With the columns varying fastest over the whole width, every row block
+            # re-read the whole weight (67 MB at llama3_2_1b, more than L2) from memory.
             mi, ni = plgpu.planar_snake(idx, (m_iters, n_iters), 1, min(bs.group_n, n_iters))
             rows = pl.ds(mi * cta_m, cta_m)
 
@@ -175,7 +172,7 @@ def swiglu_mosaic(x: jax.Array, w: jax.Array, *, block_sizes: BlockSizes | None 
 
     T must be a multiple of 2 * block_m, D of block_k and F of block_n (`supports`)."""
     validate(x, w)
-    bs = block_sizes or default_block_sizes(x.shape[0])
+    bs = block_sizes or DEFAULT_BLOCK_SIZES
     if not supports(x, w, bs):
         raise ValueError(f"x {x.shape} {x.dtype}, w {w.shape} {w.dtype}: the kernel needs bf16/f16 of one dtype, "
                          f"T a multiple of {_COMPUTE_WGS * bs.block_m}, D of {bs.block_k}, F of {bs.block_n}")
