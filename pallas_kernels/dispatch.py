@@ -88,8 +88,8 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 
 
 # Token buckets from which the fused Hopper SwiGLU kernel replaces cuBLAS + XLA's activation kernel:
-# at llama3_2_1b's shape it was 8% slower at 128 rows and 2-9% faster from 256 (H200,
-# docs/kernels/swiglu.md).
+# at llama3_2_1b's shape it was 8% slower at 128 rows (H200) and 6-16% faster at 256-8,192 (H100 and
+# H200; docs/kernels/swiglu.md).
 SWIGLU_MIN_TOKENS = 256
 
 
