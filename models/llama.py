@@ -25,6 +25,7 @@ from flax import nnx
 from models.attention import AttentionMetadata
 from models.config import ModelConfig, rope_inv_freq
 from pallas_kernels import dispatch
+from pallas_kernels.greedy_head import head_logits
 from pallas_kernels.rms_norm import rms_norm
 from sharding.rules import shard_over_heads
 
@@ -100,28 +101,28 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, mlp_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, gemm_impl: str, dtype, param_dtype, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.dtype, self.mlp_impl = dtype, mlp_impl
+        self.dtype, self.gemm_impl = dtype, gemm_impl
         # gate and up as one [D, 2, F] matrix: one GEMM (sharded over F, each shard's two halves local)
         self.gate_up_proj = _param(rngs, (D, 2, F), ("embed", None, "mlp"), param_dtype)
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x):  # [T, D]
         dt, prec = self.dtype, _precision(self.dtype)
-        h = dispatch.swiglu(x, self.gate_up_proj[...].astype(dt), precision=prec, implementation=self.mlp_impl)
+        h = dispatch.swiglu(x, self.gate_up_proj[...].astype(dt), precision=prec, implementation=self.gemm_impl)
         return jnp.matmul(h, self.down_proj[...].astype(dt), precision=prec)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, mlp_impl: str, dtype,
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str, dtype,
                  param_dtype, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.mlp = MLP(cfg, mlp_impl=mlp_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, gemm_impl=gemm_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, h, cos, sin, kv_pages, meta, next_norm: RMSNorm | None):
         """x: the residual stream, h: input_norm(x) (the previous layer computed it with its last
@@ -143,16 +144,17 @@ class LlamaModel(nnx.Module):
     pallas_kernels.dispatch.select_attention_impl); it is static, part of the graph, not of the params.
     So is `head_mesh` (sharding.rules.head_parallel_mesh): when set, each layer's KV write and
     attention run per shard of its `tensor` axis (shard_map), every device on its own heads. And
-    `mlp_impl` (dispatch.select_mlp_impl): the MLP's fused SwiGLU kernel on one Hopper GPU, or XLA.
+    `gemm_impl` (dispatch.select_gemm_impl): the GEMMs with fused epilogues (the MLP's SwiGLU, the
+    greedy head) as Mosaic GPU kernels on one Hopper GPU, or XLA.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
-                 kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None, mlp_impl: str = "reference"):
+                 kv_repeat: int = 1, attn_impl: str = "reference", head_mesh=None, gemm_impl: str = "reference"):
         param_dtype = param_dtype or dtype
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.gemm_impl = cfg, dtype, gemm_impl
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl,
+            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             for _ in range(cfg.num_layers)
         )
@@ -167,7 +169,8 @@ class LlamaModel(nnx.Module):
         kv_pages: tuple[jax.Array, ...],  # L x [P, G, 2K', H]
         meta: AttentionMetadata,
         logits_indices: jax.Array | None = None,  # i32[R]: rows to compute logits for (default: all)
-    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # f32[T or R, V], kv_pages
+        greedy: bool = False,  # return each row's argmax (i32[T or R]) instead of its logits
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # f32[T or R, V] (or the argmax), kv_pages
         if len(kv_pages) != self.cfg.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers; the model has {self.cfg.num_layers}")
         if tokens.shape[0] == 1:
@@ -194,10 +197,14 @@ class LlamaModel(nnx.Module):
         if logits_indices is not None:
             x = jnp.take(x, logits_indices, axis=0)
         x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.matmul(x, head.astype(self.dtype), precision=_precision(self.dtype),
-                            preferred_element_type=jnp.float32)
-        return logits, tuple(new_pages)
+        tied = self.cfg.tie_word_embeddings
+        head = (self.embed if tied else self.lm_head)[...].astype(self.dtype)
+        if greedy:  # the logits' argmax without writing them, where the kernel runs (dispatch.greedy_head)
+            out = dispatch.greedy_head(x, head, transposed=tied, precision=_precision(self.dtype),
+                                       implementation=self.gemm_impl)
+        else:
+            out = head_logits(x, head, transposed=tied, precision=_precision(self.dtype))
+        return out, tuple(new_pages)
 
 
 def qkv_groups(cfg: ModelConfig, kv_repeat: int = 1) -> tuple[int, int]:
@@ -254,20 +261,21 @@ def is_qkv_param(path) -> bool:
 
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable:
-    """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages)."""
+    """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages);
+    with greedy=True, (each logits row's argmax i32, kv_pages)."""
 
-    def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None):
-        return nnx.merge(graphdef, params)(tokens, positions, kv_pages, attn_meta, logits_indices)
+    def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False):
+        return nnx.merge(graphdef, params)(tokens, positions, kv_pages, attn_meta, logits_indices, greedy)
 
     return forward
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, kv_repeat: int = 1,
-                   attn_impl: str = "reference", head_mesh=None, mlp_impl: str = "reference") -> LlamaModel:
+                   attn_impl: str = "reference", head_mesh=None, gemm_impl: str = "reference") -> LlamaModel:
     """The model with ShapeDtypeStruct leaves: shapes for loaders, no memory allocated."""
     return nnx.eval_shape(
         lambda: LlamaModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, kv_repeat=kv_repeat,
-                           attn_impl=attn_impl, head_mesh=head_mesh, mlp_impl=mlp_impl)
+                           attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl)
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import flash_attention as _flash_attention
+from pallas_kernels import greedy_head as _greedy_head
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import rms_norm as _rms_norm
 from pallas_kernels import swiglu as _swiglu
@@ -93,10 +94,11 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 SWIGLU_MIN_TOKENS = 256
 
 
-def select_mlp_impl(mesh: jax.sharding.Mesh) -> str:
-    """The MLP's up projection for a model on `mesh`: "mosaic_gpu" (pallas_kernels/swiglu/gpu_mosaic.py)
-    on one Hopper GPU, else "reference" (XLA). On several devices the weights may be split over
-    `tensor`, and a custom call there would make XLA gather them around every call."""
+def select_gemm_impl(mesh: jax.sharding.Mesh) -> str:
+    """The GEMMs with fused epilogues (the MLP's SwiGLU up projection, the greedy LM head) for a
+    model on `mesh`: "mosaic_gpu" (pallas_kernels/mosaic_gemm.py) on one Hopper GPU, else
+    "reference" (XLA). On several devices the weights may be split over `tensor` or `vocab`, and a
+    custom call there would make XLA gather them around every call."""
     devices = mesh.devices.flat
     if mesh.devices.size != 1 or devices[0].platform not in ("gpu", "cuda"):
         return "reference"
@@ -117,6 +119,23 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
     elif implementation != "reference":
         raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
     return _swiglu.ref_swiglu(x, w, precision=precision)
+
+
+def greedy_head(x, head, *, transposed: bool, precision=None, implementation: str = "reference") -> jax.Array:
+    """i32[T]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
+    (`transposed`: head [V, D], a tied embedding); the first index among equal maxima.
+
+    implementation: "mosaic_gpu" runs the Hopper kernel with the argmax in the GEMM's epilogue where
+    it applies (bf16/f16, D a multiple of 64, V of 128) and the reference elsewhere; "reference" is
+    jnp (the logits, then their argmax)."""
+    if implementation == "mosaic_gpu":
+        from pallas_kernels.greedy_head import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
+
+        if gpu_mosaic.supports(x, head, transposed=transposed):
+            return gpu_mosaic.greedy_head_mosaic(x, head, transposed=transposed)
+    elif implementation != "reference":
+        raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
+    return _greedy_head.ref_greedy_head(x, head, transposed=transposed, precision=precision)
 
 
 def flash_attention(q, k, v, *, sm_scale, causal=True, segment_ids=None, sliding_window=None, soft_cap=None,

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
-from pallas_kernels.dispatch import select_attention_impl, select_mlp_impl
+from pallas_kernels.dispatch import select_attention_impl, select_gemm_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
@@ -53,6 +53,11 @@ class LoadedModel:
     @cached_property
     def attn_impl(self) -> str:
         return select_attention_impl(self.mesh.devices.flat[0].platform, self.config.head_dim)
+
+    @cached_property
+    def gemm_impl(self) -> str:
+        """Where the model's fused-epilogue GEMMs run (dispatch.select_gemm_impl; in the graph too)."""
+        return select_gemm_impl(self.mesh)
 
     @cached_property
     def forward(self):
@@ -121,7 +126,7 @@ def _model_parts(cfg: ModelConfig, mesh, dtype):
     impl = select_attention_impl(mesh.devices.flat[0].platform, cfg.head_dim)  # = LoadedModel.attn_impl
     graphdef, abs_state = nnx.split(abstract_model(cfg, dtype=dtype, kv_repeat=kv_repeat(cfg, mesh), attn_impl=impl,
                                                    head_mesh=head_parallel_mesh(cfg, mesh),
-                                                   mlp_impl=select_mlp_impl(mesh)))
+                                                   gemm_impl=select_gemm_impl(mesh)))
     return graphdef, abs_state, state_shardings(abs_state, mesh, cfg)
 
 

@@ -10,7 +10,9 @@ bucket of a step of n sequences with one token each) and sampler (greedy, pick, 
 three variants: plain, with penalties, and with penalties and logprobs. A burst with logprobs but no
 penalized row runs the third with an empty penalty history: neutral penalties are exact
 identities (runtime/sampling.py), and a fourth variant per sampler would lengthen warmup for
-nothing.
+nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax in the LM head's
+epilogue, the logits never written), one more burst per decode pair, GREEDY_HEAD, runs the bursts
+whose rows are all greedy with nothing banned, no penalties and no logprobs.
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -38,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from runtime.sampling import PenaltyCounts, count_penalties, run_sampler, sampler_programs
-from runtime.step import BURST_SAMPLERS, PackedBatch
+from runtime.step import BURST_SAMPLERS, GREEDY_HEAD, PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +154,13 @@ class StepExecutor:
         burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
+        greedy_head: bool = False,  # compile GREEDY_HEAD bursts (the model's greedy head has a kernel)
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
         self.decode_steps = decode_steps
+        self.greedy_head = greedy_head
         on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
         self.strict = strict
@@ -209,13 +213,16 @@ class StepExecutor:
     def program_keys(self) -> list[tuple]:
         """Every program of the table: the model program per (T, S) pair, the sampler programs per
         seq bucket, then with decode_steps > 1 the burst programs per decode pair, sampler and
-        (penalties, logprobs) variant (see the module docstring)."""
+        (penalties, logprobs) variant (see the module docstring), and with `greedy_head` the
+        GREEDY_HEAD burst per decode pair."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
         keys += [(name, S) for S in seq_buckets for name in self._samplers]
         if self.decode_steps > 1:
             keys += [("burst", T, S, sampler, penalties, logprobs) for T, S in self.table.decode_pairs()
                      for sampler in BURST_SAMPLERS for penalties, logprobs in _BURST_VARIANTS]
+            if self.greedy_head:
+                keys += [("burst", T, S, GREEDY_HEAD, False, False) for T, S in self.table.decode_pairs()]
         return keys
 
     def compiler_options(self, key: tuple) -> dict:
@@ -316,6 +323,8 @@ class StepExecutor:
             if batch.steps != self.decode_steps:
                 raise ValueError(f"a burst of {batch.steps} steps cannot run here (decode_steps {self.decode_steps})")
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
+            if sampler == "greedy" and self.greedy_head and not (needs.penalties or needs.logprobs or needs.bans):
+                sampler = GREEDY_HEAD
             penalties = needs.penalties or needs.logprobs  # see _BURST_VARIANTS
             burst = self._executable(("burst", T, S, sampler, penalties, needs.logprobs))
             counts = None

@@ -213,6 +213,7 @@ class Engine:
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
+            greedy_head=model.gemm_impl != "reference",
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

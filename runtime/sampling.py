@@ -187,6 +187,7 @@ class SamplingNeeds:
     random: bool = False  # some row has temperature > 0
     filters: bool = False  # some random row has top-k, top-p or min-p
     logprobs: bool = False  # some row asked for logprobs
+    bans: bool = False  # some row has ids banned (below its min_tokens)
 
     @classmethod
     def of(cls, rows: np.ndarray, *, logprobs: bool) -> SamplingNeeds:
@@ -199,6 +200,7 @@ class SamplingNeeds:
             random=bool(random.any()),
             filters=bool(changed[random, 1:4].any()),  # top-k, top-p, min-p
             logprobs=logprobs,
+            bans=bool((rows[:, _FIXED_COLUMNS:] >= 0).any()),
         )
 
 

@@ -133,6 +133,10 @@ def _build_model_fn(forward: Callable) -> Callable:
 
 
 BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
+# A burst sampler of its own: greedy rows with nothing banned, no penalties and no logprobs need only
+# each row's argmax, which the model's greedy head gives without writing the logits (a Hopper kernel
+# where the model has one: dispatch.select_gemm_impl; the executor compiles it only there).
+GREEDY_HEAD = "greedy_head"
 
 
 def make_burst_fn(forward: Callable) -> Callable:
@@ -144,7 +148,8 @@ def make_burst_fn(forward: Callable) -> Callable:
     pages cover the whole burst; both stop at the end of the page table), and samples with the
     rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where met), so each
     token is what a single step at that position would give: the same model program body and, per
-    `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program. With
+    `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program; GREEDY_HEAD
+    takes the forward's own argmax (forward(..., greedy=True)), for rows with nothing banned. With
     `penalties`, `counts` are the penalize program's input for the first step (the count programs'
     output, runtime/sampling.py); they are carried through the burst, each step's tokens added, and
     every step penalizes as that program does. Without, None. With `max_logprobs` (an int, not
@@ -173,6 +178,10 @@ def _build_burst_fn(forward: Callable) -> Callable:
             kv_pages, tokens, out, _, counts, lps = carry
             attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
             positions = jnp.minimum(b.positions + j, last_pos)
+            if sampler == GREEDY_HEAD:
+                t, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices, greedy=True)
+                t = pad_slots(t, slots)
+                return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts, lps
             logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
             raw = logits = logits.astype(jnp.float32)
             rows_j = advance_rows(rows, j)

@@ -96,9 +96,9 @@ def test_dispatch_reference_and_fallbacks():
         dispatch.swiglu(x, w, implementation="triton")
 
 
-def test_select_mlp_impl_off_hopper():
+def test_select_gemm_impl_off_hopper():
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("replica",))
-    assert dispatch.select_mlp_impl(mesh) == "reference"
+    assert dispatch.select_gemm_impl(mesh) == "reference"
 
 
 @pytest.mark.gpu

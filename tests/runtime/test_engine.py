@@ -176,6 +176,57 @@ def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps(monkey
         bursts.close()
 
 
+def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
+    """Where the model's greedy head is a kernel (one Hopper GPU) the executor compiles a GREEDY_HEAD
+    burst per decode pair and runs it for bursts of greedy rows with nothing banned, no penalties
+    and no logprobs; every other burst keeps the logits. On the CPU the graph's head is the
+    reference (the logits' argmax), so the tokens must equal those of bursts without it bit for
+    bit, alone and in a random-arrival batch."""
+    model = scaled_dummy()
+    cfg = EngineConfig(**{**BASE, "seq_buckets": (8,)}, decode_steps=4)
+    plain = Engine(model, cfg)
+    headed_model = replace(model)
+    headed_model.__dict__["gemm_impl"] = "mosaic_gpu"  # the executor's switch; the graph keeps the reference
+    headed_model.__dict__["forward"] = model.forward  # one function object: the programs both have compile once
+    headed = Engine(headed_model, cfg)
+    try:
+        heads = [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
+        assert heads and not [k for k in plain.executor.program_keys() if k in heads]
+        assert {k[1:3] for k in heads} == set(headed.buckets.decode_pairs())
+        used = []
+        executable = headed.executor._executable
+        monkeypatch.setattr(headed.executor, "_executable", lambda key: used.append(key) or executable(key))
+        rng = np.random.default_rng()
+        reqs = [(f"g{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
+                 SamplingParams(temperature=0.0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True))
+                for i in range(12)]
+        for rid, prompt, params in reqs[:3]:
+            assert run_one(headed, prompt, params).outputs[0].token_ids == \
+                run_one(plain, prompt, params).outputs[0].token_ids, rid
+        want = run_workload(plain, reqs, seed=1)
+        got = run_workload(headed, reqs, seed=1)
+        assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+        assert sum(k[3:4] == (runtime.step.GREEDY_HEAD,) for k in used) >= 6
+        # a ban (min_tokens with a stop id) or logprobs keep the logits: banned bursts run the greedy sampler
+        base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        free = run_one(plain, reqs[0][1], base).outputs[0].token_ids
+        stop = next(t for t in range(256) if t not in free)  # banned, never chosen: the same tokens
+        for params in (replace(base, min_tokens=9, stop_token_ids=[stop]), replace(base, logprobs=1)):
+            used.clear()
+            assert run_one(headed, reqs[0][1], params).outputs[0].token_ids == \
+                run_one(plain, reqs[0][1], params).outputs[0].token_ids
+            bursts = [k[3] for k in used if k[0] == "burst"]
+            if params.logprobs is None:  # banned below index 9: bursts 1-4 and 5-8, then 9-12 and 13-15
+                assert bursts == ["greedy", "greedy", runtime.step.GREEDY_HEAD, runtime.step.GREEDY_HEAD], bursts
+            else:
+                assert bursts and runtime.step.GREEDY_HEAD not in bursts, bursts
+        check_idle(plain)
+        check_idle(headed)
+    finally:
+        plain.close()
+        headed.close()
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(shared_data_dir() / "stories260k" / "stories260K.bin", dtype="float32", progress=False)

@@ -165,10 +165,11 @@ def test_packer_lays_out_plan_and_padding():
     # it, below min_tokens 3, so EOS and the stop id are banned
     np.testing.assert_array_equal(sb.banned[1], [2, 9, -1, -1])
     assert (sb.banned[[0, 2, 3]] == -1).all()
-    assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True)
+    assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True, bans=True)
     fancy.append(12)
     later = plan_of(plan.seqs[0], seq("p", [13], 5, [4], prefill=False))  # samples index 6: 3 outputs before it
-    assert (packer.pack(later, table.__getitem__).sampling.banned == -1).all()
+    lifted = packer.pack(later, table.__getitem__)
+    assert (lifted.sampling.banned == -1).all() and not lifted.needs.bans
     # Without a penalized row the [S, W] history is not built (the penalize program does not run).
     greedy_only = packer.pack(plan_of(plan.seqs[0], plan.seqs[2]), table.__getitem__)
     assert greedy_only.history is None and greedy_only.needs == SamplingNeeds()

@@ -1,0 +1,27 @@
+"""The LM head and its greedy argmax in jnp: the path wherever the fused kernel does not run, and
+the oracle it is tested against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def validate(x: jax.Array, head: jax.Array, *, transposed: bool):
+    D = head.shape[1] if transposed else head.shape[0]
+    if x.ndim != 2 or head.ndim != 2 or D != x.shape[1]:
+        want = "[V, D] (transposed: a tied embedding)" if transposed else "[D, V]"
+        raise ValueError(f"x {x.shape} must be [T, D] and head {head.shape} {want} with D = {x.shape[-1]}")
+
+
+def head_logits(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None) -> jax.Array:
+    """f32[T, V] logits of x [T, D] (the final norm's output) under head [D, V], or [V, D] when
+    `transposed` (a tied input embedding), accumulated and returned in float32."""
+    validate(x, head, transposed=transposed)
+    w = head.T if transposed else head
+    return jnp.matmul(x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+
+
+def ref_greedy_head(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None) -> jax.Array:
+    """i32[T]: each row's argmax over its f32 logits (the first index among equal maxima)."""
+    return jnp.argmax(head_logits(x, head, transposed=transposed, precision=precision), axis=-1).astype(jnp.int32)
