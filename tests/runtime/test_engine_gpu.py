@@ -59,3 +59,44 @@ def test_cublas_from_the_token_bucket_up_with_the_same_tokens(monkeypatch):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         assert n >= 4, (a.token_ids, b.token_ids)  # bf16 rounding may part them later, at a near-tie
         np.testing.assert_allclose(la[:n], lb[:n], atol=0.05)
+
+
+def _is_hopper() -> bool:
+    gpus = _gpus()
+    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")).startswith("9.")
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the greedy head kernel needs a Hopper (sm_90) GPU")
+def test_greedy_head_bursts_give_the_logits_path_tokens():
+    """On one Hopper GPU plain greedy bursts run the LM head kernel with the argmax in its epilogue
+    (GREEDY_HEAD); their tokens equal those of the bursts that write the logits. Weights scaled up
+    from the dummy's 0.02 std so every step's top two logits are far apart (at 0.02 every step is a
+    near-tie, which f32 sums in another order may flip)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from runtime.step import GREEDY_HEAD
+
+    m = load_model("dummy:smollm2_135m", mesh=MeshConfig().make_mesh(_gpus()), dtype="bfloat16", seed=0)
+    flat = nnx.to_flat_state(m.params)
+    m = dataclasses.replace(m, params=nnx.from_flat_state(
+        {tuple(p): v.replace(v[...] if p[-1] == "scale" else v[...] * 25) for p, v in flat}))
+    assert m.gemm_impl == "mosaic_gpu"
+    logits_path = dataclasses.replace(m)
+    logits_path.__dict__["gemm_impl"] = "reference"  # the executor's switch only: no GREEDY_HEAD bursts
+    logits_path.__dict__["forward"] = m.forward
+    prompts = np.random.default_rng(1).integers(1, m.config.vocab_size, (6, 40)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for model, heads in ((m, True), (logits_path, False)):
+        llm = LLM(model, **CFG)
+        try:
+            keys = llm.engine.executor.program_keys()
+            assert any(k[3:4] == (GREEDY_HEAD,) for k in keys) == heads
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert llm.engine.stats().num_bursts > 0
+        finally:
+            llm.engine.close()
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t in outs[0]}) > 1  # the prompts lead to different tokens
