@@ -128,14 +128,24 @@ def greedy_head(x, head, *, transposed: bool, precision=None, implementation: st
     implementation: "mosaic_gpu" runs the Hopper kernel with the argmax in the GEMM's epilogue where
     it applies (bf16/f16, D a multiple of 64, V of 128) and the reference elsewhere; "reference" is
     jnp (the logits, then their argmax)."""
-    if implementation == "mosaic_gpu":
+    if greedy_head_is_fused(x, head, transposed=transposed, implementation=implementation):
         from pallas_kernels.greedy_head import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
-        if gpu_mosaic.supports(x, head, transposed=transposed):
-            return gpu_mosaic.greedy_head_mosaic(x, head, transposed=transposed)
-    elif implementation != "reference":
-        raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
+        return gpu_mosaic.greedy_head_mosaic(x, head, transposed=transposed)
     return _greedy_head.ref_greedy_head(x, head, transposed=transposed, precision=precision)
+
+
+def greedy_head_is_fused(x, head, *, transposed: bool, implementation: str) -> bool:
+    """Whether greedy_head runs the kernel for arrays (or ShapeDtypeStructs) of these shapes and
+    dtypes, rather than the logits and their argmax; the engine compiles its GREEDY_HEAD bursts only
+    then."""
+    if implementation not in ("mosaic_gpu", "reference"):
+        raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
+    if implementation == "reference":
+        return False
+    from pallas_kernels.greedy_head import gpu_mosaic
+
+    return gpu_mosaic.supports(x, head, transposed=transposed)
 
 
 def flash_attention(q, k, v, *, sm_scale, causal=True, segment_ids=None, sliding_window=None, soft_cap=None,

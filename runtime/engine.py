@@ -69,6 +69,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from pallas_kernels.dispatch import greedy_head_is_fused
 from runtime.checkpoint import LoadedModel
 from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWatcher, StepExecutor
 from runtime.config import EngineConfig
@@ -83,6 +84,17 @@ from sharding.rules import kv_cache_sharding
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
+
+
+def _greedy_head_is_fused(model: LoadedModel) -> bool:
+    """Whether the model's greedy head is the kernel (pallas_kernels/greedy_head): the executor then
+    compiles GREEDY_HEAD bursts."""
+    cfg = model.config
+    V, D = cfg.vocab_size, cfg.hidden_size
+    tied = cfg.tie_word_embeddings
+    return greedy_head_is_fused(jax.ShapeDtypeStruct((1, D), model.dtype),
+                                jax.ShapeDtypeStruct((V, D) if tied else (D, V), model.dtype),
+                                transposed=tied, implementation=model.gemm_impl)
 
 
 @dataclass(frozen=True)
@@ -213,7 +225,7 @@ class Engine:
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
-            greedy_head=model.gemm_impl != "reference",
+            greedy_head=_greedy_head_is_fused(model),
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

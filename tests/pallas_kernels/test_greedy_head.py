@@ -83,6 +83,17 @@ def test_supports():
     assert not supports(x.astype(jnp.float32), head.astype(jnp.float32), transposed=False)
 
 
+def test_greedy_head_is_fused():
+    x, head = jax.ShapeDtypeStruct((3, 128), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    assert dispatch.greedy_head_is_fused(x, head, transposed=True, implementation="mosaic_gpu")
+    assert not dispatch.greedy_head_is_fused(x, head, transposed=True, implementation="reference")
+    f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    assert not dispatch.greedy_head_is_fused(jax.ShapeDtypeStruct((3, 128), jnp.float32), f32, transposed=True,
+                                             implementation="mosaic_gpu")
+    assert not dispatch.greedy_head_is_fused(x, jax.ShapeDtypeStruct((200, 128), jnp.bfloat16), transposed=True,
+                                             implementation="mosaic_gpu")
+
+
 @pytest.mark.parametrize("transposed", [True, False])
 def test_dispatch_reference_and_fallbacks(transposed):
     x, head = inputs(16, 64, 96, jnp.float32, transposed=transposed)
