@@ -61,7 +61,7 @@ class LoadedModel:
 
     @cached_property
     def forward(self):
-        """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None)."""
+        """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False)."""
         return make_forward(self.graphdef)
 
 
