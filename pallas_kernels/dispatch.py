@@ -121,13 +121,20 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
     return _swiglu.ref_swiglu(x, w, precision=precision)
 
 
+# Rows from which greedy_head runs the kernel. Below, the engine's programs compile XLA's Triton GEMMs
+# (EngineConfig.gpu_cublas_min_tokens, 64), whose batch-1 head beat the kernel: llama3_2_1b batch-1
+# decode bursts on an H100 ran 810-824 tok/s with it against 841-850 without; from 64 rows it beats
+# cuBLAS + XLA's argmax (204 vs 219 us at 64 rows, 230 vs 306 at 256; docs/kernels/greedy_head.md).
+GREEDY_HEAD_MIN_ROWS = 64
+
+
 def greedy_head(x, head, *, transposed: bool, precision=None, implementation: str = "reference") -> jax.Array:
     """i32[T]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
     (`transposed`: head [V, D], a tied embedding); the first index among equal maxima.
 
     implementation: "mosaic_gpu" runs the Hopper kernel with the argmax in the GEMM's epilogue where
-    it applies (bf16/f16, D a multiple of 64, V of 128) and the reference elsewhere; "reference" is
-    jnp (the logits, then their argmax)."""
+    it applies (at least GREEDY_HEAD_MIN_ROWS rows, bf16/f16, D a multiple of 64, V of 128) and the
+    reference elsewhere; "reference" is jnp (the logits, then their argmax)."""
     if greedy_head_is_fused(x, head, transposed=transposed, implementation=implementation):
         from pallas_kernels.greedy_head import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
@@ -141,7 +148,7 @@ def greedy_head_is_fused(x, head, *, transposed: bool, implementation: str) -> b
     then."""
     if implementation not in ("mosaic_gpu", "reference"):
         raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
-    if implementation == "reference":
+    if implementation == "reference" or x.shape[0] < GREEDY_HEAD_MIN_ROWS:
         return False
     from pallas_kernels.greedy_head import gpu_mosaic
 

@@ -11,8 +11,9 @@ three variants: plain, with penalties, and with penalties and logprobs. A burst 
 penalized row runs the third with an empty penalty history: neutral penalties are exact
 identities (runtime/sampling.py), and a fourth variant per sampler would lengthen warmup for
 nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax in the LM head's
-epilogue, the logits never written), one more burst per decode pair, GREEDY_HEAD, runs the bursts
-whose rows are all greedy with nothing banned, no penalties and no logprobs.
+epilogue, the logits never written; from dispatch.GREEDY_HEAD_MIN_ROWS rows), one more burst per
+decode pair of that many sequences or more, GREEDY_HEAD, runs the bursts whose rows are all greedy
+with nothing banned, no penalties and no logprobs.
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -154,13 +155,13 @@ class StepExecutor:
         burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
-        greedy_head: bool = False,  # compile GREEDY_HEAD bursts (the model's greedy head has a kernel)
+        greedy_head_min_seqs: int | None = None,  # GREEDY_HEAD bursts from this seq bucket up; None: none
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
         self.decode_steps = decode_steps
-        self.greedy_head = greedy_head
+        self.greedy_head_min_seqs = greedy_head_min_seqs
         on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
         self.strict = strict
@@ -213,17 +214,20 @@ class StepExecutor:
     def program_keys(self) -> list[tuple]:
         """Every program of the table: the model program per (T, S) pair, the sampler programs per
         seq bucket, then with decode_steps > 1 the burst programs per decode pair, sampler and
-        (penalties, logprobs) variant (see the module docstring), and with `greedy_head` the
-        GREEDY_HEAD burst per decode pair."""
+        (penalties, logprobs) variant (see the module docstring), and the GREEDY_HEAD burst per
+        decode pair of at least greedy_head_min_seqs sequences."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
         keys += [(name, S) for S in seq_buckets for name in self._samplers]
         if self.decode_steps > 1:
             keys += [("burst", T, S, sampler, penalties, logprobs) for T, S in self.table.decode_pairs()
                      for sampler in BURST_SAMPLERS for penalties, logprobs in _BURST_VARIANTS]
-            if self.greedy_head:
-                keys += [("burst", T, S, GREEDY_HEAD, False, False) for T, S in self.table.decode_pairs()]
+            keys += [("burst", T, S, GREEDY_HEAD, False, False) for T, S in self.table.decode_pairs()
+                     if self._greedy_head(S)]
         return keys
+
+    def _greedy_head(self, S: int) -> bool:
+        return self.greedy_head_min_seqs is not None and S >= self.greedy_head_min_seqs
 
     def compiler_options(self, key: tuple) -> dict:
         """XLA options of one program: on a GPU, the model and burst programs of token buckets of at
@@ -323,7 +327,7 @@ class StepExecutor:
             if batch.steps != self.decode_steps:
                 raise ValueError(f"a burst of {batch.steps} steps cannot run here (decode_steps {self.decode_steps})")
             sampler = "pick_filtered" if needs.filters else "pick" if needs.random else "greedy"
-            if sampler == "greedy" and self.greedy_head and not (needs.penalties or needs.logprobs or needs.bans):
+            if sampler == "greedy" and self._greedy_head(S) and not (needs.penalties or needs.logprobs or needs.bans):
                 sampler = GREEDY_HEAD
             penalties = needs.penalties or needs.logprobs  # see _BURST_VARIANTS
             burst = self._executable(("burst", T, S, sampler, penalties, needs.logprobs))

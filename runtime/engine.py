@@ -69,7 +69,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from pallas_kernels.dispatch import greedy_head_is_fused
+from pallas_kernels import dispatch
 from runtime.checkpoint import LoadedModel
 from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWatcher, StepExecutor
 from runtime.config import EngineConfig
@@ -86,15 +86,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
-def _greedy_head_is_fused(model: LoadedModel) -> bool:
-    """Whether the model's greedy head is the kernel (pallas_kernels/greedy_head): the executor then
-    compiles GREEDY_HEAD bursts."""
+def _greedy_head_min_seqs(model: LoadedModel) -> int | None:
+    """The seq buckets from which the model's greedy head is the kernel (pallas_kernels/greedy_head;
+    the executor compiles GREEDY_HEAD bursts for them), or None where it never is."""
     cfg = model.config
     V, D = cfg.vocab_size, cfg.hidden_size
     tied = cfg.tie_word_embeddings
-    return greedy_head_is_fused(jax.ShapeDtypeStruct((1, D), model.dtype),
-                                jax.ShapeDtypeStruct((V, D) if tied else (D, V), model.dtype),
-                                transposed=tied, implementation=model.gemm_impl)
+    rows = dispatch.GREEDY_HEAD_MIN_ROWS
+    fused = dispatch.greedy_head_is_fused(jax.ShapeDtypeStruct((rows, D), model.dtype),
+                                          jax.ShapeDtypeStruct((V, D) if tied else (D, V), model.dtype),
+                                          transposed=tied, implementation=model.gemm_impl)
+    return rows if fused else None
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ class Engine:
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
-            greedy_head=_greedy_head_is_fused(model),
+            greedy_head_min_seqs=_greedy_head_min_seqs(model),
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

@@ -84,11 +84,14 @@ def test_supports():
 
 
 def test_greedy_head_is_fused():
-    x, head = jax.ShapeDtypeStruct((3, 128), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    n = dispatch.GREEDY_HEAD_MIN_ROWS
+    x, head = jax.ShapeDtypeStruct((n, 128), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
     assert dispatch.greedy_head_is_fused(x, head, transposed=True, implementation="mosaic_gpu")
     assert not dispatch.greedy_head_is_fused(x, head, transposed=True, implementation="reference")
+    few = jax.ShapeDtypeStruct((n - 1, 128), jnp.bfloat16)  # XLA's Triton GEMMs win below
+    assert not dispatch.greedy_head_is_fused(few, head, transposed=True, implementation="mosaic_gpu")
     f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
-    assert not dispatch.greedy_head_is_fused(jax.ShapeDtypeStruct((3, 128), jnp.float32), f32, transposed=True,
+    assert not dispatch.greedy_head_is_fused(jax.ShapeDtypeStruct((n, 128), jnp.float32), f32, transposed=True,
                                              implementation="mosaic_gpu")
     assert not dispatch.greedy_head_is_fused(x, jax.ShapeDtypeStruct((200, 128), jnp.bfloat16), transposed=True,
                                              implementation="mosaic_gpu")

@@ -88,9 +88,11 @@ def test_greedy_head_bursts_give_the_logits_path_tokens():
     logits_path.__dict__["forward"] = m.forward
     prompts = np.random.default_rng(1).integers(1, m.config.vocab_size, (6, 40)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # a seq bucket of dispatch.GREEDY_HEAD_MIN_ROWS (64): the kernel runs from there
+    cfg = {**CFG, "max_num_seqs": 64, "seq_buckets": (64,), "token_buckets": (64, 128), "max_num_batched_tokens": 128}
     outs = []
     for model, heads in ((m, True), (logits_path, False)):
-        llm = LLM(model, **CFG)
+        llm = LLM(model, **cfg)
         try:
             keys = llm.engine.executor.program_keys()
             assert any(k[3:4] == (GREEDY_HEAD,) for k in keys) == heads
