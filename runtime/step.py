@@ -135,7 +135,7 @@ def _build_model_fn(forward: Callable) -> Callable:
 BURST_SAMPLERS = ("greedy", "pick", "pick_filtered")
 # A burst sampler of its own: greedy rows with nothing banned, no penalties and no logprobs need only
 # each row's argmax, which the model's greedy head gives without writing the logits (a Hopper kernel
-# where the model has one: dispatch.select_gemm_impl; the executor compiles it only there).
+# where dispatch.greedy_head_is_fused; the executor compiles it only for those seq buckets).
 GREEDY_HEAD = "greedy_head"
 
 
@@ -174,14 +174,13 @@ def _build_burst_fn(forward: Callable) -> Callable:
         # (max_model_len <= the table), so nothing else is ever read from it.
         last_pos = layout.P * kv_pages[0].shape[1] - 1
 
-        def step(j, carry):
-            kv_pages, tokens, out, _, counts, lps = carry
+        def model_step(j, kv_pages, tokens, counts, lps):
+            """Model step j: its tokens i32[slots], the pages, the penalty counts and logprobs so far."""
             attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
             positions = jnp.minimum(b.positions + j, last_pos)
             if sampler == GREEDY_HEAD:
                 t, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices, greedy=True)
-                t = pad_slots(t, slots)
-                return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts, lps
+                return pad_slots(t, slots), kv_pages, counts, lps
             logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
             raw = logits = logits.astype(jnp.float32)
             rows_j = advance_rows(rows, j)
@@ -197,6 +196,11 @@ def _build_burst_fn(forward: Callable) -> Callable:
             if max_logprobs is not None:
                 lps = jax.tree.map(lambda acc, x: acc.at[j].set(x), lps,
                                    sampled_logprobs(raw, t, max_logprobs=max_logprobs))
+            return t, kv_pages, counts, lps
+
+        def step(j, carry):
+            kv_pages, tokens, out, _, counts, lps = carry
+            t, kv_pages, counts, lps = model_step(j, kv_pages, tokens, counts, lps)
             return kv_pages, tokens.at[:m].set(t[:m]), out.at[j].set(t), t, counts, lps
 
         lps = None

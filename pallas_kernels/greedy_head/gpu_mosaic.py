@@ -43,7 +43,7 @@ LARGE_BLOCK_SIZES = BlockSizes(block_m=128, block_n=128, block_k=64, num_stages=
 
 
 def default_block_sizes(rows: int) -> BlockSizes:
-    return LARGE_BLOCK_SIZES if rows >= 2 * LARGE_BLOCK_SIZES.block_m else DEFAULT_BLOCK_SIZES
+    return LARGE_BLOCK_SIZES if rows >= LARGE_BLOCK_SIZES.cta_m else DEFAULT_BLOCK_SIZES
 
 
 def _vocab(head: jax.Array, transposed: bool) -> int:

@@ -9,6 +9,7 @@ from runtime.checkpoint import load_model
 from runtime.llm import LLM
 from runtime.request import SamplingParams
 from sharding.mesh import MeshConfig
+from tests.pallas_kernels.test_swiglu import requires_hopper
 from tests.runtime.test_step import _compile_options_seen
 
 
@@ -61,12 +62,7 @@ def test_cublas_from_the_token_bucket_up_with_the_same_tokens(monkeypatch):
         np.testing.assert_allclose(la[:n], lb[:n], atol=0.05)
 
 
-def _is_hopper() -> bool:
-    gpus = _gpus()
-    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")).startswith("9.")
-
-
-@pytest.mark.skipif(not _is_hopper(), reason="the greedy head kernel needs a Hopper (sm_90) GPU")
+@requires_hopper  # the greedy head kernel
 def test_greedy_head_bursts_give_the_logits_path_tokens():
     """On one Hopper GPU plain greedy bursts run the LM head kernel with the argmax in its epilogue
     (GREEDY_HEAD); their tokens equal those of the bursts that write the logits. Weights scaled up
