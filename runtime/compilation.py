@@ -53,6 +53,17 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 _BURST_VARIANTS = ((False, False), (True, False), (True, True))
 
 
+# Entries of the page table update programs (StepExecutor.sync_pages): a decode step adds a page per
+# sequence every page_size tokens, an admission its whole prompt's (a long cached prefix: thousands);
+# updates past the largest bucket run in several calls.
+PAGE_UPDATE_BUCKETS = (256, 4096, 65536)
+
+
+def _set_pages(table, upd):
+    """table i32[rows, P] with table[upd[0], upd[1]] = upd[2]; entries with upd[0] == rows drop."""
+    return table.at[upd[0], upd[1]].set(upd[2], mode="drop")
+
+
 class CompileAfterWarmupError(RuntimeError):
     """The engine would compile while serving (strict mode)."""
 
@@ -178,15 +189,15 @@ class StepExecutor:
         self._model = jax.jit(
             model_fn,
             donate_argnums=(1,),
-            static_argnums=(5, 6),  # layout, params treedef
-            in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
+            static_argnums=(6, 7),  # layout, params treedef
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(6, 7, 8, 9, 10, 11),  # layout, params treedef, steps, sampler, penalties, max_logprobs
-            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
+            static_argnums=(7, 8, 9, 10, 11, 12),  # layout, params treedef, steps, sampler, penalties, max_logprobs
+            in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding, rep),
         )
         self.max_logprobs = max_logprobs
@@ -194,6 +205,13 @@ class StepExecutor:
         self._history_chunk = empty_batch(1, 1).history.shape[1]  # C: entries a count program reads
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
         self.slots = table.seq_buckets[-1]
+        # The page tables, a row per scheduler slot (< max_num_seqs <= slots), kept on the device;
+        # per row the lease and page count it holds (what the host knows of it: sync_pages).
+        P = empty_batch(1, 1).layout.P
+        self.page_table = jax.device_put(np.zeros((self.slots, P), np.int32), rep)
+        self._row_lease = [0] * self.slots
+        self._row_pages = [0] * self.slots
+        self._set_pages = jax.jit(_set_pages, donate_argnums=(0,), out_shardings=rep)
         self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
         # the previous step's tokens when it was a burst (history placeholders read them); zeros else
         self._no_prev_burst = jax.device_put(np.zeros((decode_steps, self.slots), np.int32), rep)
@@ -224,6 +242,7 @@ class StepExecutor:
                      for sampler in BURST_SAMPLERS for penalties, logprobs in _BURST_VARIANTS]
             keys += [("burst", T, S, GREEDY_HEAD, False, False) for T, S in self.table.decode_pairs()
                      if self._greedy_head(S)]
+        keys += [("pages", U) for U in PAGE_UPDATE_BUCKETS]
         return keys
 
     def _greedy_head(self, S: int) -> bool:
@@ -245,17 +264,23 @@ class StepExecutor:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding)
 
     def _lower(self, key: tuple):
+        if key[0] == "pages":
+            upd = self._abstract(np.zeros((3, key[1]), np.int32))
+            return self._set_pages.lower(jax.ShapeDtypeStruct(self.page_table.shape, np.int32,
+                                                              sharding=self._batch_sharding), upd)
         if key[0] in ("model", "burst"):
             T, S = key[1:3]
             b = self._empty_batch(T, S)
+            table = jax.ShapeDtypeStruct(self.page_table.shape, np.int32, sharding=self._batch_sharding)
             args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
-                    self._abstract(self._no_prev), b.layout, self._param_treedef)
+                    self._abstract(self._no_prev))
+            static = (b.layout, self._param_treedef)
             if key[0] == "burst":
                 sampler, penalties, logprobs = key[3:]
                 counts = self._abstract_counts(S) if penalties else None
-                return self._burst.lower(*args[:5], counts, *args[5:], self.decode_steps, sampler, penalties,
+                return self._burst.lower(*args, counts, table, *static, self.decode_steps, sampler, penalties,
                                          self.max_logprobs if logprobs else None)
-            return self._model.lower(*args)
+            return self._model.lower(*args, table, *static)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
@@ -295,6 +320,8 @@ class StepExecutor:
         if self.warmed_up:
             if key[0] == "model":
                 what = f"model program (T={key[1]}, S={key[2]})"
+            elif key[0] == "pages":
+                what = f"page table update program (U={key[1]})"
             elif key[0] == "burst":
                 what = (f"burst program (T={key[1]}, S={key[2]}, {key[3]}{', penalties' if key[4] else ''}"
                         f"{', logprobs' if key[5] else ''})")
@@ -319,6 +346,7 @@ class StepExecutor:
         runtime/engine.py). After a burst, `prev_burst` is its tokens (what the penalty histories'
         burst placeholders stand for)."""
         T, S = batch.layout.T, batch.layout.S
+        self.sync_pages(batch)
         leaves = self._param_leaves if params is self._params else self._param_treedef.flatten_up_to(params)
         prev = self._no_prev if prev_tokens is None else prev_tokens
         prev_burst = self._no_prev_burst if prev_burst is None else prev_burst
@@ -336,15 +364,43 @@ class StepExecutor:
                 history = self._empty_history(S) if batch.history is None else batch.history
                 counts = count_penalties(self._sampler_call(S), batch.rows, history, prev, prev_burst,
                                          chunk=self._history_chunk)
-            tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, counts)
+            tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, counts,
+                                                     self.page_table)
             return tokens, last, logprobs, kv_pages
         model = self._executable(("model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
-        logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev)
+        logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev, self.page_table)
         tokens, logprobs = run_sampler(self._sampler_call(S), logits, greedy, batch.rows, batch.history, prev,
                                        prev_burst, batch.needs, history_chunk=self._history_chunk)
         return tokens, tokens, logprobs, kv_pages
+
+    def sync_pages(self, batch: PackedBatch) -> None:
+        """Bring the device's page table up to `batch.pages`: per row, the pages past those it holds
+        under the same lease, or the whole list when the lease changed (the slot's sequence is new,
+        or was preempted and admitted again). Stale entries past a row's pages stay: nothing reads
+        a page table past its sequence's length. Asynchronous, like the steps."""
+        P = self.page_table.shape[1]
+        rows, cols, vals = [], [], []
+        for row, lease, pages in batch.pages:
+            if not 0 <= row < self.slots or len(pages) > P:
+                raise ValueError(f"page table row {row} of {len(pages)} pages: the table is [{self.slots}, {P}]")
+            start = self._row_pages[row] if self._row_lease[row] == lease else 0
+            if len(pages) > start:
+                rows.append(np.full(len(pages) - start, row, np.int32))
+                cols.append(np.arange(start, len(pages), dtype=np.int32))
+                vals.append(np.asarray(pages[start:], np.int32))
+        if rows:
+            upd = np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)])
+            largest = PAGE_UPDATE_BUCKETS[-1]
+            for i in range(0, upd.shape[1], largest):
+                part = upd[:, i : i + largest]
+                U = next(b for b in PAGE_UPDATE_BUCKETS if b >= part.shape[1])
+                padded = np.full((3, U), self.slots, np.int32)  # row `slots` is out of range: dropped
+                padded[:, : part.shape[1]] = part
+                self.page_table = self._executable(("pages", U))(self.page_table, padded)
+        for row, lease, pages in batch.pages:
+            self._row_lease[row], self._row_pages[row] = lease, len(pages)
 
     def _sampler_call(self, S: int) -> Callable:
         return lambda name, *args: self._executable((name, S))(*args)

@@ -141,6 +141,10 @@ class Request:
     pages: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages of token_ids
     slot: int | None = None
+    # Which occupancy of its slot this is: a new value at every admission, unique within the
+    # scheduler, so state kept per slot on the device (the executor's page table) knows when a slot's
+    # pages start over.
+    lease: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

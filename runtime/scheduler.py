@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -129,6 +130,7 @@ class ScheduledSeq(NamedTuple):
     pages: tuple[int, ...]  # every page of the sequence, in order; covers num_computed_after
     sample: bool  # sample from the last token's logits (False for a chunk short of the prompt end)
     is_prefill: bool
+    lease: int = 0  # Request.lease: while it holds, `pages` only grows (appended to)
 
     @property
     def q_len(self) -> int:
@@ -227,6 +229,7 @@ class Scheduler:
         self._waiting: list[Request] = []  # sorted by order_key
         self._running: list[Request] = []
         self._free_slots = list(range(config.max_num_seqs))
+        self._leases = itertools.count(1)  # Request.lease of each admission
         self._next_arrival = 0
         self._num_forks = 0
         self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
@@ -446,6 +449,7 @@ class Scheduler:
                     pages=tuple(req.pages),
                     sample=start + n == req.num_tokens,
                     is_prefill=prefill,
+                    lease=req.lease,
                 )
             )
             if prefill:
@@ -655,6 +659,7 @@ class Scheduler:
             self._waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.slot = heapq.heappop(self._free_slots)
+            req.lease = next(self._leases)
             self._insert_sorted(self._running, req)
             if self.prefix_cache is not None:
                 self._ensure_hashes(req, req.num_tokens // G)

@@ -3,7 +3,7 @@
 The packer lays a plan out as the ragged paged attention kernel reads it (models/attention.py):
 a flat buffer of T tokens (T a token bucket), sequences in plan order (decodes first), then S
 slots of metadata (S a seq bucket). Entries past the plan are padding: tokens 0 at position 0,
-kv_len 0, page 0, cu_q_lens repeating the end offset, neutral sampling rows. The attention
+kv_len 0, page table row 0, cu_q_lens repeating the end offset, neutral sampling rows. The attention
 reference and the KV writer ignore everything at or past cu_q_lens[num_seqs], so padding is never
 computed into real outputs; the tokens sampled for padding rows are ignored by the engine.
 
@@ -15,13 +15,18 @@ has penalties (n chunks of C = HISTORY_CHUNK entries, as many as its longest pen
 The programs unpack them with static slices. The packer also records which sampler programs the
 step needs (`SamplingNeeds`): it knows every row's settings.
 
+The page tables stay on the device: one [slots, P_max] table, a row per scheduler slot, which the
+executor updates with only the pages a step adds (StepExecutor.sync_pages); a step ships each
+slot's row number and the programs gather the rows. Shipping [S, P_max] every step cost the host
+~1.1 ms a step at 256 sequences of the default max_model_len (131,072: 8 MB), and single-step
+serving 16% of its throughput on an H100 (docs/benchmarks.md, twenty-second session).
+
 Logits are computed only for the last token of each sequence (`logits_indices`), one row per
 slot, so the LM head and the sampler run on [S, V] rather than [T, V].
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -45,30 +50,36 @@ class StepBatch(NamedTuple):
     positions: jax.Array  # i32[T]
     attn: AttentionMetadata  # kv_lens i32[S], page_indices i32[S, P_max], cu_q_lens i32[S+1], num_seqs i32[1]
     logits_indices: jax.Array  # i32[S]: the token whose logits slot s samples from
+    page_rows: jax.Array  # i32[S]: the page table row of each slot (its sequence's scheduler slot)
 
 
 @dataclass(frozen=True)
 class StepLayout:
     """Where each StepBatch field of bucket (T, S) sits in the flat i32 buffer shipped to the device:
-    end to end in StepBatch order. Hashable: the model program takes it as a static argument."""
+    end to end in StepBatch order, except the page indices: each slot ships its row of the page table
+    that stays on the device (`page_rows`; StepExecutor keeps the table). Hashable: the model program
+    takes it as a static argument."""
 
     T: int
     S: int
-    P: int  # P_max, pages per sequence
+    P: int  # P_max, pages per sequence: the page table's width
 
     @property
     def size(self) -> int:
-        return 2 * self.T + self.S * (self.P + 3) + 2
+        return 2 * self.T + 4 * self.S + 2
 
-    def unflatten(self, flat) -> StepBatch:
-        """The fields of flat i32[size]: numpy views of a host buffer, or static slices in a program."""
-        T, S, P = self.T, self.S, self.P
+    def unflatten(self, flat, page_table=None) -> StepBatch:
+        """The fields of flat i32[size]: numpy views of a host buffer, or static slices in a program.
+        attn.page_indices are the rows `page_rows` of page_table [rows, P] (None without one)."""
+        T, S = self.T, self.S
         out, off = [], 0
-        for shape, n in (((T,), T), ((T,), T), ((S,), S), ((S, P), S * P), ((S + 1,), S + 1), ((1,), 1), ((S,), S)):
-            out.append(flat[off : off + n].reshape(shape))
+        for n in (T, T, S, S, S + 1, 1, S):
+            out.append(flat[off : off + n])
             off += n
-        tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices = out
-        return StepBatch(tokens, positions, AttentionMetadata(kv_lens, page_indices, cu_q_lens, num_seqs), logits_indices)
+        tokens, positions, kv_lens, page_rows, cu_q_lens, num_seqs, logits_indices = out
+        page_indices = None if page_table is None else page_table[page_rows]
+        return StepBatch(tokens, positions, AttentionMetadata(kv_lens, page_indices, cu_q_lens, num_seqs),
+                         logits_indices, page_rows)
 
 
 @dataclass
@@ -81,9 +92,13 @@ class PackedBatch:
     history: np.ndarray | None  # i32[S, n * C]: prompt + output ids of rows with penalties, -1 padded
     needs: SamplingNeeds  # which sampler programs the step runs
     steps: int = 1  # K > 1: a burst (StepPlan.num_steps); the arrays describe its first model step
+    # The page table rows the step reads, as the executor must hold them before it runs: per live
+    # slot i, (its row step.page_rows[i], lease, pages). While a row's lease holds, its pages only
+    # grow, so the executor ships the new ones alone (StepExecutor.sync_pages).
+    pages: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
-    def step(self) -> StepBatch:  # numpy views into flat
+    def step(self) -> StepBatch:  # numpy views into flat (attn.page_indices None: see `pages`)
         return self.layout.unflatten(self.flat)
 
     @property
@@ -102,10 +117,11 @@ def _cached(forward: Callable, name: str, build: Callable) -> Callable:
 
 
 def make_model_fn(forward: Callable) -> Callable:
-    """model(param_leaves, kv_pages, flat, rows, prev, layout, treedef) -> (logits f32[S, V],
-    greedy tokens i32[slots], kv_pages): the model program of a bucket, the parameters as the list
-    of leaves of `treedef`; the greedy tokens make a plain greedy step one dispatch. Jit it with
-    kv_pages (argument 1) donated and layout, treedef (arguments 5, 6) static; see
+    """model(param_leaves, kv_pages, flat, rows, prev, page_table, layout, treedef) -> (logits
+    f32[S, V], greedy tokens i32[slots], kv_pages): the model program of a bucket, the parameters as
+    the list of leaves of `treedef`, the page tables as rows of `page_table` i32[rows, P]
+    (StepLayout.unflatten); the greedy tokens make a plain greedy step one dispatch. Jit it with
+    kv_pages (argument 1) donated and layout, treedef (arguments 6, 7) static; see
     runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input token
     -(i + 1) stands for its row i, sampled but not yet seen by the host (lookahead,
     runtime/engine.py).
@@ -122,9 +138,9 @@ def _input_tokens(b: StepBatch, prev):
 
 
 def _build_model_fn(forward: Callable) -> Callable:
-    def model(param_leaves, kv_pages, flat, rows, prev, layout: StepLayout, treedef):
+    def model(param_leaves, kv_pages, flat, rows, prev, page_table, layout: StepLayout, treedef):
         params = treedef.unflatten(param_leaves)
-        b = layout.unflatten(flat)
+        b = layout.unflatten(flat, page_table)
         logits, kv_pages = forward(params, _input_tokens(b, prev), b.positions, kv_pages, b.attn, b.logits_indices)
         logits = logits.astype(jnp.float32)
         return logits, pad_slots(greedy(logits, sampling_rows(rows).banned), prev.shape[0]), kv_pages
@@ -140,7 +156,7 @@ GREEDY_HEAD = "greedy_head"
 
 
 def make_burst_fn(forward: Callable) -> Callable:
-    """burst(param_leaves, kv_pages, flat, rows, prev, counts, layout, treedef, steps, sampler,
+    """burst(param_leaves, kv_pages, flat, rows, prev, counts, page_table, layout, treedef, steps, sampler,
     penalties, max_logprobs) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
     a burst of `steps` decode steps in one program (StepPlan.num_steps), for a forward of logits
     f32[S, V]. The packed batch is its first model step, one token per sequence; model step j
@@ -163,10 +179,10 @@ def make_burst_fn(forward: Callable) -> Callable:
 
 
 def _build_burst_fn(forward: Callable) -> Callable:
-    def burst(param_leaves, kv_pages, flat, rows, prev, counts, layout: StepLayout, treedef, steps: int,
+    def burst(param_leaves, kv_pages, flat, rows, prev, counts, page_table, layout: StepLayout, treedef, steps: int,
               sampler: str, penalties: bool, max_logprobs: int | None):
         params = treedef.unflatten(param_leaves)
-        b = layout.unflatten(flat)
+        b = layout.unflatten(flat, page_table)
         slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
         live = b.attn.kv_lens > 0
         # A sequence whose burst runs past max_tokens (tokens the host drops) stops at the end of its
@@ -322,14 +338,9 @@ class BatchPacker:
             b.tokens[off : off + q] = seq.token_ids
             b.positions[off : off + q] = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int32)
             off += q
-        if n:  # every sequence's page table in one write (row-major order, as the chain)
-            lens = np.array([len(seq.pages) for seq in seqs])
-            total = int(lens.sum())
-            pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int32, count=total)
-            # flat index of page j of sequence i: i * P_max + j. O(pages), not O(n * P_max): a mask over
-            # the table took 0.6 ms a pack at 256 x 8192 (long max_model_len), this 0.03 ms
-            row_start = np.arange(0, n * self.pages_per_seq, self.pages_per_seq) - (np.cumsum(lens) - lens)
-            np.put(m.page_indices, np.arange(total) + np.repeat(row_start, lens), pages)
+        if n:  # each slot reads its sequence's row of the device's page table (StepExecutor.sync_pages)
+            b.page_rows[:n] = [seq.slot for seq in seqs]
+            out.pages = tuple((seq.slot, seq.lease, seq.pages) for seq in seqs)
         m.num_seqs[0] = n
         rows = [i for i, s in enumerate(samp) if s is not None]
         if not rows:

@@ -189,11 +189,18 @@ def run_child(args) -> dict:
             b.positions[:] = args.ctx
             m = b.attn
             m.kv_lens[:] = args.ctx + 1
-            m.page_indices[:, :pps] = perm[: B * pps].reshape(B, pps)
             m.cu_q_lens[:] = np.arange(B + 1)
             m.num_seqs[0] = B
             b.logits_indices[:] = np.arange(B)
+            b.page_rows[:] = np.arange(B)  # rows of the executor's page table (StepExecutor.sync_pages)
+            packed.pages = tuple((i, B, tuple(p)) for i, p in enumerate(perm[: B * pps].reshape(B, pps).tolist()))
             return packed
+
+        def model_batch(packed):  # the StepBatch with the page tables themselves, for jit(forward)
+            table = np.zeros((len(packed.pages), packed.layout.P), np.int32)
+            for row, _, pages in packed.pages:
+                table[row, : len(pages)] = pages
+            return packed.layout.unflatten(packed.flat, table)
 
         # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
         t0 = time.perf_counter()
@@ -206,7 +213,7 @@ def run_child(args) -> dict:
         for B in batches:
             jobs.append((("step", B), step_job(B, B)))
             if B in args.model_batches:
-                b = make_batch(B).step
+                b = model_batch(make_batch(B))
                 jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
                                                            b.attn, b.logits_indices).compile))
         if 1 in batches and not args.no_engine:
@@ -232,8 +239,9 @@ def run_child(args) -> dict:
             row = {"model": name, "batch": B, "ctx": args.ctx, "bytes_per_step": bytes_step,
                    "floor_s": bytes_step / bw}
             hb = make_batch(B)
-            db = jax.device_put(hb.step, ex._batch_sharding)  # the model column's arguments
-            dflat = (*jax.device_put((hb.flat, hb.rows), ex._batch_sharding), ex._no_prev)  # the step column's
+            db = jax.device_put(model_batch(hb), ex._batch_sharding)  # the model column's arguments
+            ex.sync_pages(hb)  # the step column's: the packed batch, the device's page table
+            dflat = (*jax.device_put((hb.flat, hb.rows), ex._batch_sharding), ex._no_prev, ex.page_table)
             measured, disp = {}, {}
             if ("model", B) in compiled:
                 exe = compiled[("model", B)]

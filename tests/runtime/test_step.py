@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import load_model
-from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWatcher, StepExecutor
+from runtime.compilation import (PAGE_UPDATE_BUCKETS, BucketTable, CompileAfterWarmupError, CompileWatcher,
+                                 StepExecutor)
 from runtime.config import EngineConfig, default_seq_buckets, default_token_buckets
 from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
@@ -29,8 +30,8 @@ from tests.tolerances import MODEL_LOGITS_F32
 P_MAX, W, NB = 8, 64, 4
 
 
-def seq(rid, tokens, start, pages, sample=True, prefill=True):
-    return ScheduledSeq(rid, 0, tuple(tokens), start, start + len(tokens), tuple(pages), sample, prefill)
+def seq(rid, tokens, start, pages, sample=True, prefill=True, slot=0, lease=1):
+    return ScheduledSeq(rid, slot, tuple(tokens), start, start + len(tokens), tuple(pages), sample, prefill, lease)
 
 
 def plan_of(*seqs):
@@ -110,7 +111,7 @@ def test_packer_ships_the_history_its_rows_use_in_whole_chunks():
                               history_len=L)
     assert long.history.shape == (L,)
     long.append(9)
-    both = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False), seq("l", [-2], C + 1, [1], prefill=False)),
+    both = packer.pack(plan_of(seq("s", [7], 3, [7], prefill=False), seq("l", [-2], C + 1, [1], prefill=False, slot=1)),
                        {"s": short, "l": long}.__getitem__)
     assert both.history.shape == (2, 2 * C)
     np.testing.assert_array_equal(both.history[1, : C + 3], prompt + [9, history_placeholder(-2), -1])
@@ -133,9 +134,9 @@ def test_packer_lays_out_plan_and_padding():
     fancy.append(11)
     table = {"d": greedy, "p": fancy}
     plan = plan_of(
-        seq("d", [3], 5, [7, 2], prefill=False),
-        seq("p", [6, 11, 12], 2, [4], sample=True),
-        seq("c", [20, 21, 22, 23], 0, [5], sample=False),
+        seq("d", [3], 5, [7, 2], prefill=False, slot=2),
+        seq("p", [6, 11, 12], 2, [4], sample=True, slot=0, lease=4),
+        seq("c", [20, 21, 22, 23], 0, [5], sample=False, slot=3),
     )
     packed = packer.pack(plan, table.__getitem__)
     assert packed.layout == StepLayout(16, 4, P_MAX) and packed.flat.shape == (packed.layout.size,)
@@ -148,8 +149,10 @@ def test_packer_lays_out_plan_and_padding():
     np.testing.assert_array_equal(m.kv_lens, [6, 5, 4, 0])
     np.testing.assert_array_equal(m.cu_q_lens, [0, 1, 4, 8, 8])
     np.testing.assert_array_equal(m.num_seqs, [3])
-    np.testing.assert_array_equal(m.page_indices[:3, :2], [[7, 2], [4, 0], [5, 0]])
-    assert m.page_indices.shape == (4, P_MAX)
+    # each slot names its row of the executor's page table (StepExecutor.sync_pages), padding row 0
+    assert m.page_indices is None
+    np.testing.assert_array_equal(b.page_rows, [2, 0, 3, 0])
+    assert packed.pages == ((2, 1, (7, 2)), (0, 4, (4,)), (3, 1, (5,)))
     np.testing.assert_array_equal(b.logits_indices, [0, 3, 7, 0])
     sb = packed.sampling  # views into the rows buffer
     np.testing.assert_allclose(sb.temperature, [0, 0.5, 0, 0])
@@ -167,7 +170,7 @@ def test_packer_lays_out_plan_and_padding():
     assert (sb.banned[[0, 2, 3]] == -1).all()
     assert packed.needs == SamplingNeeds(penalties=True, random=True, filters=True, logprobs=True, bans=True)
     fancy.append(12)
-    later = plan_of(plan.seqs[0], seq("p", [13], 5, [4], prefill=False))  # samples index 6: 3 outputs before it
+    later = plan_of(plan.seqs[0], seq("p", [13], 5, [4], prefill=False, slot=1))  # samples index 6: 3 outputs before it
     lifted = packer.pack(later, table.__getitem__)
     assert (lifted.sampling.banned == -1).all() and not lifted.needs.bans
     # Without a penalized row the [S, W] history is not built (the penalize program does not run).
@@ -178,18 +181,57 @@ def test_packer_lays_out_plan_and_padding():
         SamplingNeeds(random=True, logprobs=True)
 
 
-@pytest.mark.parametrize("pages_per_seq", [8, 4096])  # a narrow table and a wide one
-def test_packer_page_tables_any_width(pages_per_seq):
-    packer = BatchPacker(pages_per_seq=pages_per_seq, history_len=W, max_banned=NB,
-                         select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
-    plan = plan_of(seq("a", [3], 40, [7, 2, 9], prefill=False), seq("b", [5], 9, [4], prefill=False),
-                   seq("c", [6], 70, [1, 8, 3, 6, 5], prefill=False))
+def test_packed_batch_size_does_not_grow_with_the_page_table_width():
+    """The page tables stay on the device: a step ships a row number per slot, so the flat buffer is
+    the same for a narrow table and a wide one (max_model_len 131,072 at pages of 16: 8,192)."""
     g = SeqSampling.create(SamplingParams(temperature=0.0), 0, [1], eos_ids=[2], history_len=W)
-    pi = packer.pack(plan, lambda _: g).step.attn.page_indices
-    want = np.zeros((4, pages_per_seq), np.int32)
-    for i, pages in enumerate(([7, 2, 9], [4], [1, 8, 3, 6, 5])):
-        want[i, : len(pages)] = pages
-    np.testing.assert_array_equal(pi, want)
+    plan = plan_of(seq("a", [3], 40, [7, 2, 9], prefill=False, slot=1), seq("b", [5], 9, [4], prefill=False, slot=3),
+                   seq("c", [6], 70, [1, 8, 3, 6, 5], prefill=False, slot=0))
+    sizes = set()
+    for pages_per_seq in (8, 8192):
+        packer = BatchPacker(pages_per_seq=pages_per_seq, history_len=W, max_banned=NB,
+                             select_bucket=BucketTable((4, 16), (2, 4)).select, slots=4)
+        packed = packer.pack(plan, lambda _: g)
+        sizes.add(packed.flat.size)
+        np.testing.assert_array_equal(packed.step.page_rows, [1, 3, 0, 0])
+        assert [p for _, _, p in packed.pages] == [(7, 2, 9), (4,), (1, 8, 3, 6, 5)]
+    assert sizes == {StepLayout(4, 4, 8).size}
+
+
+def test_sync_pages_ships_new_pages_and_rewrites_a_row_whose_lease_changed(tiny_model, monkeypatch):
+    """The executor's page table [slots, P]: a row gets only the pages past those it holds while its
+    lease holds (an entry changed on the device behind its back stays), all of them when the lease
+    changes; updates past the largest bucket run in several calls; rows or page lists that do not
+    fit are refused."""
+    import runtime.compilation as compilation
+
+    monkeypatch.setattr(compilation, "PAGE_UPDATE_BUCKETS", (2, 4))
+    m = tiny_model
+    kv = init_kv_pages(m.config, 16, 8, m.dtype, sharding=kv_cache_sharding(m.config, m.mesh))
+    table = BucketTable((16,), (4,))
+    packer = BatchPacker(pages_per_seq=P_MAX, history_len=W, max_banned=NB, select_bucket=table.select, slots=4)
+    ex = StepExecutor(make_model_fn(m.forward), params=m.params, kv_pages=kv, mesh=m.mesh, table=table,
+                      empty_batch=packer.empty, vocab_size=m.config.vocab_size, max_logprobs=5, strict=True)
+
+    def sync(*rows):
+        b = packer.empty(16, 4)
+        b.pages = rows
+        ex.sync_pages(b)
+        return np.asarray(ex.page_table)
+
+    t = sync((0, 1, (5, 6)), (2, 1, (7,)))
+    np.testing.assert_array_equal(t[[0, 2], :3], [[5, 6, 0], [7, 0, 0]])
+    ex.page_table = ex.page_table.at[0, 0].set(99)  # not what the host sent: a same-lease sync leaves it
+    t = sync((0, 1, (5, 6, 9)), (2, 2, (3, 4)))
+    np.testing.assert_array_equal(t[0, :3], [99, 6, 9])
+    np.testing.assert_array_equal(t[2, :3], [3, 4, 0])  # a new lease: the row from its start
+    t = sync((1, 1, tuple(range(10, 17))), (3, 1, (1,)))  # 8 entries: calls of 4 and 4
+    np.testing.assert_array_equal(t[1, :7], range(10, 17))
+    assert t[3, 0] == 1 and t[0, 0] == 99
+    with pytest.raises(ValueError, match="the table is"):
+        sync((4, 1, (1,)))
+    with pytest.raises(ValueError, match="the table is"):
+        sync((0, 3, tuple(range(P_MAX + 1))))
 
 
 def test_ignore_eos_keeps_eos_unbanned():
@@ -224,9 +266,9 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     layout, flat = decode_batch(P, tokens=[-1, 0], positions=[9, 0], kv_lens=[10, 0], num_seqs=1)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((P, G, 2, 8), np.float32),)
-    out, last, _, lps = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10, 11))(
-        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, layout, treedef, K, "greedy",
-        False, None)
+    out, last, _, lps = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11, 12))(
+        leaves, kv, flat, empty_rows(2, 0), np.array([42, 0, 0], np.int32), None, np.zeros((2, P), np.int32),
+        layout, treedef, K, "greedy", False, None)
     assert lps is None
     out = np.asarray(out)
     fed = 42
@@ -267,11 +309,12 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     prev_burst = np.array([[9, 1, 0], [9, 3, 0]], np.int32)
     leaves, treedef = jax.tree.flatten({})
     kv = (np.zeros((2, 4, 2, 8), np.float32),)
-    burst = jax.jit(make_burst_fn(forward), static_argnums=(6, 7, 8, 9, 10, 11))
+    burst = jax.jit(make_burst_fn(forward), static_argnums=(7, 8, 9, 10, 11, 12))
     raw = np.asarray(jax.nn.log_softmax(ranked))
     counts = count(rows, history, prev, prev_burst, vocab_size=V)  # what the count program gives the burst
     for sampler in ("greedy", "pick"):
-        out, _, _, lps = burst(leaves, kv, flat, rows, prev, counts, layout, treedef, K, sampler, True, 3)
+        out, _, _, lps = burst(leaves, kv, flat, rows, prev, counts, np.zeros((S, 2), np.int32), layout, treedef, K,
+                               sampler, True, 3)
         out = np.asarray(out)[:, :S]
         np.testing.assert_array_equal(out[:, 0], [2, 4, 5, 6, 7], err_msg=sampler)
         np.testing.assert_array_equal(out[:, 1], [1, 1, 1, 0, 0], err_msg=sampler)
@@ -320,18 +363,19 @@ def test_step_matches_plain_forward(tiny_model, executor):
         return np.argsort(-lp)[:5], np.sort(lp)[::-1][:5]
 
     atol = MODEL_LOGITS_F32[0]
-    tok, ids, lps = run(plan_of(seq("a", a, 0, pages_a), seq("b", b[:10], 0, pages_b, sample=False)))
+    tok, ids, lps = run(plan_of(seq("a", a, 0, pages_a), seq("b", b[:10], 0, pages_b, sample=False, slot=1)))
     want_ids, want_lps = ref(a)
     np.testing.assert_allclose(lps[0], want_lps, atol=atol)
     np.testing.assert_array_equal(ids[0], want_ids)
     t_a = int(tok[0])
-    tok, ids, lps = run(plan_of(seq("a", [t_a], 12, pages_a, prefill=False), seq("b", b[10:], 10, pages_b)))
+    tok, ids, lps = run(plan_of(seq("a", [t_a], 12, pages_a, prefill=False), seq("b", b[10:], 10, pages_b, slot=1)))
     for row, prompt in ((0, a + [t_a]), (1, b)):
         want_ids, want_lps = ref(prompt)
         np.testing.assert_allclose(lps[row], want_lps, atol=atol)
         np.testing.assert_array_equal(ids[row], want_ids)
     assert ex.compiled_buckets == [(16, 2), (32, 2)]
-    assert ex.num_warmup_compiles == 2 + 6  # a model program per bucket, 6 sampler programs for S = 2
+    # a model program per bucket, 6 sampler programs for S = 2, the page table update programs
+    assert ex.num_warmup_compiles == 2 + 6 + len(PAGE_UPDATE_BUCKETS)
 
 
 def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeypatch):
@@ -347,7 +391,7 @@ def test_step_runs_only_the_programs_its_rows_need(tiny_model, executor, monkeyp
     tokens, _, lp, kv = ex(m.params, kv, packer.pack(plan_of(seq("g", [1, 2, 3], 0, [1])), table.__getitem__))
     assert lp is None and calls == [("model", 16, 2)]  # a greedy step is one dispatch
     calls.clear()
-    both = plan_of(seq("g", [1, 2, 3], 0, [1]), seq("r", [1, 2, 3], 0, [2]))
+    both = plan_of(seq("g", [1, 2, 3], 0, [1]), seq("r", [1, 2, 3], 0, [2], slot=1))
     tokens, _, lp, kv = ex(m.params, kv, packer.pack(both, table.__getitem__))
     assert calls == [("model", 16, 2), ("count", 2), ("penalize", 2), ("pick_filtered", 2), ("logprobs", 2)]
     assert np.asarray(lp.top_ids).shape == (2, 5)
