@@ -13,7 +13,8 @@ identities (runtime/sampling.py), and a fourth variant per sampler would lengthe
 nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax in the LM head's
 epilogue, the logits never written; from dispatch.GREEDY_HEAD_MIN_ROWS rows), one more burst per
 decode pair of that many sequences or more, GREEDY_HEAD, runs the bursts whose rows are all greedy
-with nothing banned, no penalties and no logprobs.
+with nothing banned, no penalties and no logprobs. And the page table update programs, one per
+PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`sync_pages`).
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`

@@ -17,9 +17,9 @@ step needs (`SamplingNeeds`): it knows every row's settings.
 
 The page tables stay on the device: one [slots, P_max] table, a row per scheduler slot, which the
 executor updates with only the pages a step adds (StepExecutor.sync_pages); a step ships each
-slot's row number and the programs gather the rows. Shipping [S, P_max] every step cost the host
-~1.1 ms a step at 256 sequences of the default max_model_len (131,072: 8 MB), and single-step
-serving 16% of its throughput on an H100 (docs/benchmarks.md, twenty-second session).
+slot's row number and the programs gather the rows. Shipping [S, P_max] every step (8 MB at 256
+sequences of max_model_len 131,072) cost a decode step at batch 256 a quarter of its speed on an
+H100 (docs/benchmarks.md, twenty-second session).
 
 Logits are computed only for the last token of each sequence (`logits_indices`), one row per
 slot, so the LM head and the sampler run on [S, V] rather than [T, V].
