@@ -130,7 +130,7 @@ class ScheduledSeq(NamedTuple):
     pages: tuple[int, ...]  # every page of the sequence, in order; covers num_computed_after
     sample: bool  # sample from the last token's logits (False for a chunk short of the prompt end)
     is_prefill: bool
-    lease: int = 0  # Request.lease: while it holds, `pages` only grows (appended to)
+    lease: int  # Request.lease: while it holds, `pages` only grows (appended to)
 
     @property
     def q_len(self) -> int:
