@@ -203,13 +203,13 @@ class StepExecutor:
         )
         self.max_logprobs = max_logprobs
         self._empty_histories: dict[int, jax.Array] = {}  # S -> i32[S, C] of -1: logprob bursts without penalties
-        self._history_chunk = empty_batch(1, 1).history.shape[1]  # C: entries a count program reads
+        probe = empty_batch(1, 1)
+        self._history_chunk = probe.history.shape[1]  # C: entries a count program reads
         # Every program's tokens are i32[slots]: the next step's model program reads them as `prev`.
         self.slots = table.seq_buckets[-1]
         # The page tables, a row per scheduler slot (< max_num_seqs <= slots), kept on the device;
         # per row the lease and page count it holds (what the host knows of it: sync_pages).
-        P = empty_batch(1, 1).layout.P
-        self.page_table = jax.device_put(np.zeros((self.slots, P), np.int32), rep)
+        self.page_table = jax.device_put(np.zeros((self.slots, probe.layout.P), np.int32), rep)
         self._row_lease = [0] * self.slots
         self._row_pages = [0] * self.slots
         self._set_pages = jax.jit(_set_pages, donate_argnums=(0,), out_shardings=rep)
@@ -266,13 +266,12 @@ class StepExecutor:
 
     def _lower(self, key: tuple):
         if key[0] == "pages":
-            upd = self._abstract(np.zeros((3, key[1]), np.int32))
-            return self._set_pages.lower(jax.ShapeDtypeStruct(self.page_table.shape, np.int32,
-                                                              sharding=self._batch_sharding), upd)
+            return self._set_pages.lower(self._abstract(self.page_table),
+                                         self._abstract(np.zeros((3, key[1]), np.int32)))
         if key[0] in ("model", "burst"):
             T, S = key[1:3]
             b = self._empty_batch(T, S)
-            table = jax.ShapeDtypeStruct(self.page_table.shape, np.int32, sharding=self._batch_sharding)
+            table = self._abstract(self.page_table)
             args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
                     self._abstract(self._no_prev))
             static = (b.layout, self._param_treedef)
@@ -382,25 +381,24 @@ class StepExecutor:
         or was preempted and admitted again). Stale entries past a row's pages stay: nothing reads
         a page table past its sequence's length. Asynchronous, like the steps."""
         P = self.page_table.shape[1]
-        rows, cols, vals = [], [], []
+        changed = []  # (row, lease, first new page, pages)
         for row, lease, pages in batch.pages:
             if not 0 <= row < self.slots or len(pages) > P:
                 raise ValueError(f"page table row {row} of {len(pages)} pages: the table is [{self.slots}, {P}]")
             start = self._row_pages[row] if self._row_lease[row] == lease else 0
-            if len(pages) > start:
-                rows.append(np.full(len(pages) - start, row, np.int32))
-                cols.append(np.arange(start, len(pages), dtype=np.int32))
-                vals.append(np.asarray(pages[start:], np.int32))
-        if rows:
-            upd = np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)])
-            largest = PAGE_UPDATE_BUCKETS[-1]
-            for i in range(0, upd.shape[1], largest):
-                part = upd[:, i : i + largest]
-                U = next(b for b in PAGE_UPDATE_BUCKETS if b >= part.shape[1])
-                padded = np.full((3, U), self.slots, np.int32)  # row `slots` is out of range: dropped
-                padded[:, : part.shape[1]] = part
-                self.page_table = self._executable(("pages", U))(self.page_table, padded)
-        for row, lease, pages in batch.pages:
+            if len(pages) > start or lease != self._row_lease[row]:
+                changed.append((row, lease, start, pages))
+        parts = [np.stack([np.full(len(pages) - start, row), np.arange(start, len(pages)), pages[start:]])
+                 for row, _, start, pages in changed if len(pages) > start]
+        upd = np.concatenate(parts, axis=1).astype(np.int32) if parts else np.zeros((3, 0), np.int32)
+        largest = PAGE_UPDATE_BUCKETS[-1]
+        for i in range(0, upd.shape[1], largest):
+            part = upd[:, i : i + largest]
+            U = next(b for b in PAGE_UPDATE_BUCKETS if b >= part.shape[1])
+            padded = np.full((3, U), self.slots, np.int32)  # row `slots` is out of range: dropped
+            padded[:, : part.shape[1]] = part
+            self.page_table = self._executable(("pages", U))(self.page_table, padded)
+        for row, lease, _, pages in changed:
             self._row_lease[row], self._row_pages[row] = lease, len(pages)
 
     def _sampler_call(self, S: int) -> Callable:
