@@ -381,16 +381,20 @@ class StepExecutor:
         or was preempted and admitted again). Stale entries past a row's pages stay: nothing reads
         a page table past its sequence's length. Asynchronous, like the steps."""
         P = self.page_table.shape[1]
-        changed = []  # (row, lease, first new page, pages)
+        changed = []  # (row, lease, pages)
+        rows, cols, vals = [], [], []  # the update, entry by entry
         for row, lease, pages in batch.pages:
             if not 0 <= row < self.slots or len(pages) > P:
                 raise ValueError(f"page table row {row} of {len(pages)} pages: the table is [{self.slots}, {P}]")
-            start = self._row_pages[row] if self._row_lease[row] == lease else 0
-            if len(pages) > start or lease != self._row_lease[row]:
-                changed.append((row, lease, start, pages))
-        parts = [np.stack([np.full(len(pages) - start, row), np.arange(start, len(pages)), pages[start:]])
-                 for row, _, start, pages in changed if len(pages) > start]
-        upd = np.concatenate(parts, axis=1).astype(np.int32) if parts else np.zeros((3, 0), np.int32)
+            same = self._row_lease[row] == lease
+            start = self._row_pages[row] if same else 0
+            n = len(pages)
+            if n > start or not same:
+                changed.append((row, lease, n))
+                rows += [row] * (n - start)
+                cols += range(start, n)
+                vals += pages[start:]
+        upd = np.array([rows, cols, vals], np.int32).reshape(3, -1)
         largest = PAGE_UPDATE_BUCKETS[-1]
         for i in range(0, upd.shape[1], largest):
             part = upd[:, i : i + largest]
@@ -398,8 +402,8 @@ class StepExecutor:
             padded = np.full((3, U), self.slots, np.int32)  # row `slots` is out of range: dropped
             padded[:, : part.shape[1]] = part
             self.page_table = self._executable(("pages", U))(self.page_table, padded)
-        for row, lease, _, pages in changed:
-            self._row_lease[row], self._row_pages[row] = lease, len(pages)
+        for row, lease, n in changed:
+            self._row_lease[row], self._row_pages[row] = lease, n
 
     def _sampler_call(self, S: int) -> Callable:
         return lambda name, *args: self._executable((name, S))(*args)

@@ -75,7 +75,8 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig
 from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
-from runtime.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams, validate_prompt
+from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
+                             validate_prompt)
 from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
 from sharding.mesh import mesh_axis_size
@@ -169,6 +170,12 @@ class _Group:
     @cached_property
     def max_stop_len(self) -> int:  # read for every output of every step: computed once
         return max((len(s) for s in self.params.stop), default=0)
+
+    @cached_property
+    def output_prompt_ids(self) -> list[int]:
+        """The prompt in every output of the request: one copy, made once (a copy per output cost
+        the host O(prompt length) per request per step; vLLM shares it the same way)."""
+        return list(self.prompt_ids)
 
 
 class Engine:
@@ -360,9 +367,9 @@ class Engine:
         return bool(self._groups) or self._inflight is not None or bool(self._pending) or bool(self._ready)
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
-        """Run one engine iteration (see the module docstring); returns the outputs it produced.
-        partial=False returns only the requests that finished (offline use: building a running
-        request's output copies its prompt and tokens, every step, for every request)."""
+        """Run one engine iteration (see the module docstring); returns the outputs it produced:
+        one per request that progressed, shaped by its SamplingParams.output_kind. partial=False
+        returns only the requests that finished (offline use)."""
         with self._watcher.watch():
             plan = self.scheduler.step()
             dispatched = None
@@ -413,29 +420,32 @@ class Engine:
             lp = [(np.asarray(a) if plan.num_steps > 1 else np.asarray(a)[None])[:, :n] for a in logprobs]
             rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
             taken: dict[str, int] = {}  # a request's updates come in step order: the j-th is model step j's
-        for u in self.scheduler.resolve(sampled):
-            seq = self._seqs.get(u.request_id)
+        seqs, pending, generated = self._seqs, self._pending, 0
+        for rid, token, finish_reason, stop_reason in self.scheduler.resolve(sampled):
+            seq = seqs.get(rid)
             if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
                 continue
-            seq.sampling.append(u.token_id)
+            if seq.sampling.history is not None:
+                seq.sampling.append(token)
             row = None
             if lp is not None and seq.logprobs is not None:
-                i, k = rows[u.request_id], seq.group.params.logprobs
-                j = taken[u.request_id] = taken.get(u.request_id, -1) + 1
-                row = {u.token_id: float(lp[0][j, i])}
+                i, k = rows[rid], seq.group.params.logprobs
+                j = taken[rid] = taken.get(rid, -1) + 1
+                row = {token: float(lp[0][j, i])}
                 for t, v in zip(lp[1][j, i, :k].tolist(), lp[2][j, i, :k].tolist()):
                     row.setdefault(t, v)
-            self._pending.append((seq, u.token_id, row, u.finish_reason, u.stop_reason))
-            self._counts["generated"] += 1
-            if u.finish_reason is not None:
-                del self._seqs[u.request_id]
+            pending.append((seq, token, row, finish_reason, stop_reason))
+            generated += 1
+            if finish_reason is not None:
+                del seqs[rid]
+        self._counts["generated"] += generated
 
     def _emit(self, partial: bool) -> list[RequestOutput]:
         touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
         self._ready = []
         pending, self._pending = self._pending, []
         for seq, token, lp_row, finish_reason, stop_reason in pending:
-            if seq.finished:  # aborted since the step was planned
+            if seq.finish_reason is not None:  # aborted since the step was planned
                 continue
             seq.output_ids.append(token)
             if lp_row is not None:
@@ -454,8 +464,10 @@ class Engine:
                         finish_reason, stop_reason = FINISH_STOP, stop
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
-            touched[seq.group.request_id] = seq.group
-        return [self._output(g) for g in touched.values() if partial or g.finished]
+            group = seq.group
+            touched[group.request_id] = group
+        return [self._output(g) for g in touched.values()
+                if g.finished or (partial and g.params.output_kind != OUTPUT_FINAL_ONLY)]
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -469,23 +481,29 @@ class Engine:
             self._counts["finished"] += 1
 
     def _output(self, group: _Group) -> RequestOutput:
+        # A running request's cumulative output copies its whole sequence so far (O(length) host
+        # work per request per step); a delta carries only what is new (SamplingParams.output_kind).
+        whole = group.finished or group.params.output_kind != OUTPUT_DELTA
         outs = []
         for seq in group.seqs:
             hold = 0 if seq.finished else max(group.max_stop_len - 1, 0)  # may still become a stop string
             visible = max(seq.emitted_chars, len(seq.text) - hold)
             new_text = seq.text[seq.emitted_chars : visible]
-            new_ids = seq.output_ids[seq.emitted_tokens :]
+            first = seq.emitted_tokens
+            new_ids = seq.output_ids[first:]
             seq.emitted_chars, seq.emitted_tokens = visible, len(seq.output_ids)
+            lps = seq.logprobs
+            if lps is not None:
+                lps = lps[:] if whole else lps[first:]
             outs.append(CompletionOutput(
-                index=seq.index, text=seq.text[:visible], token_ids=list(seq.output_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                index=seq.index, text=seq.text[:visible] if whole else new_text,
+                token_ids=seq.output_ids[:] if whole else new_ids[:], cumulative_logprob=seq.cumulative_logprob,
+                logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 new_text=new_text, new_token_ids=new_ids,
             ))
         if group.finished:  # its last output: drop the group -> seqs links, so that the request's
             group.seqs = []  # objects go by reference counting, not the cyclic collector
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_ids), outs, group.finished,
+        return RequestOutput(group.request_id, group.prompt, group.output_prompt_ids, outs, group.finished,
                              group.first.num_cached_tokens)
 
     def _check_compiles(self) -> None:

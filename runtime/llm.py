@@ -35,8 +35,11 @@ OFFLINE_DECODE_STEPS = 8
 class CompletionOutput:
     """One sampled sequence of a request (`n` of them per request).
 
-    text and token_ids are cumulative; new_text and new_token_ids are what this output added to
-    the previous output of the same stream (the whole sequence in a final offline result).
+    text, token_ids and logprobs are cumulative (the whole sequence so far), except in the outputs
+    of a running request whose SamplingParams.output_kind is "delta": there they hold only what
+    this output adds, as new_text and new_token_ids do in every output (new_* are what this output
+    added to the previous output of the same stream; the whole sequence in a final offline result).
+    A final output (finished) is always cumulative.
     token_ids include the EOS or stop token that ended the sequence; text excludes a matched stop
     string and anything after it.
     """
@@ -60,7 +63,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the same list in every output of a request
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -17,6 +17,12 @@ FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens (or max_model_len) reached
 FINISH_ABORT = "abort"  # cancelled by the client or the engine
 
+# What each output of a running request carries (SamplingParams.output_kind), as vLLM names them.
+OUTPUT_CUMULATIVE = "cumulative"  # the whole text, token ids and logprobs so far
+OUTPUT_DELTA = "delta"  # only what this output adds (text, token_ids and logprobs == the new_* fields)
+OUTPUT_FINAL_ONLY = "final_only"  # no output until the request finishes
+OUTPUT_KINDS = (OUTPUT_CUMULATIVE, OUTPUT_DELTA, OUTPUT_FINAL_ONLY)
+
 # Token ids a request may bias (SamplingParams.logit_bias): the width of the sampling rows' bias
 # columns (runtime/sampling.py), fixed so that every step ships one shape.
 MAX_LOGIT_BIAS = 32
@@ -32,6 +38,12 @@ class SamplingParams:
     logit_bias maps token ids to a value in [-100, 100] added to their logits before the penalties
     and sampling (OpenAI's logit_bias), at most MAX_LOGIT_BIAS ids; logprobs stay those of the
     model's raw distribution.
+
+    output_kind (OUTPUT_KINDS) says what the outputs of a running request carry when the engine
+    streams them (Engine.step with partial outputs, the async engine): "cumulative" copies the
+    whole sequence so far into every output, which costs the engine's host O(length) per request
+    per step; "delta" sends only what is new (streaming servers); "final_only" sends nothing until
+    the end. The final output (finished=True) is always cumulative.
     """
 
     temperature: float = 1.0
@@ -50,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logit_bias: Mapping[int, float] | None = None
+    output_kind: str = OUTPUT_CUMULATIVE
 
     def __post_init__(self) -> None:
         # Copies, so that a caller mutating its list cannot change a submitted request.
@@ -101,6 +114,8 @@ class SamplingParams:
                 fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             fail(f"n must be an int >= 1, got {self.n!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            fail(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
             fail(f"logit_bias has {len(self.logit_bias)} token ids; at most {MAX_LOGIT_BIAS} are supported")
 

@@ -67,6 +67,12 @@ from runtime.request import (
 )
 
 
+def _int_list(tokens) -> list[int]:
+    """Token ids as a list of Python ints: numpy's tolist (C speed) for an array, else int() each."""
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else [int(t) for t in tokens]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -413,20 +419,28 @@ class Scheduler:
         K = self._burst_length()
         capacity = self.config.max_positions  # a burst's positions stop at the page table's end
 
+        # The host plans every running sequence every step (256 and more): the loops below read
+        # fields rather than properties and build tuples positionally (docs/design.md, host cost).
+        entries, running = ctx.entries, RequestStatus.RUNNING
+        prefilling = []  # running requests partway through their prompt, in running order
         for req in list(self._running):  # 1. decodes
-            if req.status is not RequestStatus.RUNNING or req.is_prefill:
+            if req.status is not running:
+                continue
+            start = req.num_computed_tokens
+            if start < req.prefill_target:
+                prefilling.append(req)
                 continue
             if ctx.budget < 1:
-                break
-            assert req.num_tokens - req.num_computed_tokens == 1, req
+                break  # (so would loop 2 at its first request: nothing gives budget back in between)
             # (the first test is _ensure_pages' own, without its call: 15 of 16 decode steps need no page)
-            end = min(req.num_computed_tokens + K, capacity)
+            end = min(start + K, capacity)
             if end <= len(req.pages) * G or self._ensure_pages(req, end, ctx):
-                ctx.add(req, 1)
+                entries[req.request_id] = (req, start, 1, False)
+                ctx.budget -= 1
 
-        for req in list(self._running):  # 2. prefills partway through their prompt
-            if req.status is not RequestStatus.RUNNING or not req.is_prefill or req.request_id in ctx.entries:
-                continue
+        for req in prefilling:  # 2. prefills partway through their prompt
+            if req.status is not running or req.request_id in entries:
+                continue  # (preempted by a decode's pages)
             if ctx.budget < 1:
                 break
             n = self._fit_chunk(req, min(req.prefill_target - req.num_computed_tokens, ctx.budget), ctx)
@@ -437,21 +451,13 @@ class Scheduler:
 
         seqs = []
         n_prefill = n_decode = 0
-        for req, start, n, prefill in ctx.entries.values():
+        for req, start, n, prefill in entries.values():
             end = start + n + K - 1  # (K > 1: decodes only, n == 1)
-            seqs.append(
-                ScheduledSeq(
-                    request_id=req.request_id,
-                    slot=req.slot,
-                    token_ids=tuple(req.token_ids[start:end]),
-                    start_pos=start,
-                    num_computed_after=end,
-                    pages=tuple(req.pages),
-                    sample=start + n == req.num_tokens,
-                    is_prefill=prefill,
-                    lease=req.lease,
-                )
-            )
+            tokens = req.token_ids
+            # ScheduledSeq(request_id, slot, token_ids, start_pos, num_computed_after, pages, sample,
+            # is_prefill, lease)
+            seqs.append(ScheduledSeq(req.request_id, req.slot, tuple(tokens[start:end]), start, end, tuple(req.pages),
+                                     start + n == len(tokens), prefill, req.lease))
             if prefill:
                 n_prefill += n
             else:
@@ -495,24 +501,28 @@ class Scheduler:
             raise RuntimeError("the previous step's tokens are unresolved: call resolve(tokens) first")
         reqs, self._outstanding, self._outstanding_reqs = self._outstanding_reqs, None, []
         pending = []
-        G, caching = self.config.page_size, self.prefix_cache is not None
+        G, caching, running = self.config.page_size, self.prefix_cache is not None, RequestStatus.RUNNING
+        register = caching and K == 1  # (a burst's pages hold K/V of tokens still unknown here: see resolve)
         for row, (seq, req) in enumerate(zip(plan.seqs, reqs)):
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # finished or aborted after the plan was made (its id may be reused)
-            req.num_computed_tokens = seq.num_computed_after
-            # (a burst's pages hold K/V of tokens still unknown here: they are registered at resolve)
-            if caching and K == 1 and seq.num_computed_after // G > req.num_registered_pages:  # a page filled up
+            after = req.num_computed_tokens = seq.num_computed_after
+            if register and after // G > req.num_registered_pages:  # a page filled up
                 self._register_pages(req)
             if not seq.sample:
                 continue
             # (a burst may run past max_tokens: the tokens beyond it are never taken)
-            room = req.max_tokens - req.num_output_tokens
+            tokens = req.token_ids
+            room = req.max_tokens - (len(tokens) - len(req.prompt_token_ids))
             k = min(K, room)
-            req.token_ids.extend([-(row + 1)] * k)
+            if k == 1:
+                tokens.append(-(row + 1))
+            else:
+                tokens.extend([-(row + 1)] * k)
             by_length = k == room
             if by_length:
                 self._finish(req, FINISH_LENGTH, None)
-            pending.append((row, req, len(req.token_ids) - k, by_length))
+            pending.append((row, req, len(tokens) - k, by_length))
         self._unresolved = (K, pending)
         return [] if sampled_token_ids is None else self.resolve(sampled_token_ids)
 
@@ -524,22 +534,24 @@ class Scheduler:
         if self._unresolved is None:
             raise RuntimeError("no step awaits its tokens")
         (K, pending), self._unresolved = self._unresolved, None
-        # one pass per model step (indexing a numpy array per row cost more)
-        sampled = [[int(t) for t in step] for step in (sampled_token_ids if K > 1 else (sampled_token_ids,))]
+        # one list per model step (indexing a numpy array per row cost more)
+        sampled = [_int_list(step) for step in (sampled_token_ids if K > 1 else (sampled_token_ids,))]
         updates = []
         G, register = self.config.page_size, K > 1 and self.prefix_cache is not None
+        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         for row, req, index, by_length in pending:
-            if req.status is RequestStatus.FINISHED and not by_length:
+            if req.status is finished and not by_length:
                 continue  # aborted or stopped (stop string) since: its tokens are dropped
+            tokens = req.token_ids
             n0 = index - len(req.prompt_token_ids)  # output tokens before this step
-            for j in range(len(req.token_ids) - index):  # its placeholders: K, or fewer up to max_tokens
+            for j in range(len(tokens) - index):  # its placeholders: K, or fewer up to max_tokens
                 token = sampled[j][row]
-                req.token_ids[index + j] = token
+                tokens[index + j] = token
                 done = req.check_stop_token(token, n0 + j + 1)  # with by_length, stop or length (EOS first)
                 if done is None:
                     updates.append(SeqUpdate(req.request_id, token, None, None))
                     continue
-                del req.token_ids[index + j + 1 :]  # a burst ran on past the stop: dropped
+                del tokens[index + j + 1 :]  # a burst ran on past the stop: dropped
                 if by_length:
                     req.finish_reason, req.stop_reason = done
                 else:
@@ -547,7 +559,7 @@ class Scheduler:
                 updates.append(SeqUpdate(req.request_id, token, req.finish_reason, req.stop_reason))
                 break
             # a burst's filled pages, now that their tokens are known (single steps: at update)
-            if register and req.status is RequestStatus.RUNNING and req.num_computed_tokens // G > req.num_registered_pages:
+            if register and req.status is running and req.num_computed_tokens // G > req.num_registered_pages:
                 self._register_pages(req)
         return updates
 
@@ -792,5 +804,7 @@ class Scheduler:
             assert r.num_output_tokens < r.max_tokens, f"{r.request_id} is live with {r.num_output_tokens} tokens"
         inflight = Counter()
         for r in self._running:
+            if self._outstanding is None and self._unresolved is None and not r.is_prefill:
+                assert r.num_tokens - r.num_computed_tokens == 1, f"{r.request_id} decodes with {r!r}"
             inflight.update(r.page_hashes[r.inflight[0] : r.inflight[1]])
         assert self._inflight == inflight, "in-flight page hashes drifted"

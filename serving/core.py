@@ -15,10 +15,10 @@ import enum
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from runtime.request import FINISH_ABORT, FINISH_LENGTH, SamplingParams
+from runtime.request import FINISH_ABORT, FINISH_LENGTH, OUTPUT_DELTA, SamplingParams
 from serving.admission import AdmissionQueue, Ticket
 from serving.config import ServerConfig
 from serving.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
@@ -83,7 +83,6 @@ class _Live:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: int = 0
-    max_seq_tokens: int = 0
 
 
 _END = object()
@@ -296,7 +295,10 @@ class ServingCore:
     async def submit(self, spec: GenerationSpec) -> RequestStream:
         """Validate, admit and submit `spec`, or raise the ServingError that refuses it. The
         returned stream yields the engine's RequestOutput snapshots (the last has finished=True);
-        the caller must close() it when it stops reading early (that cancels the request)."""
+        the caller must close() it when it stops reading early (that cancels the request). The
+        request runs with output_kind "delta": a running request's outputs carry only what is new
+        (the new_* fields; a cumulative copy would cost the engine's host O(length) per request per
+        step), the final output the whole sequence."""
         try:
             self._check_accepting()
             ids = await asyncio.to_thread(self._prompt_ids, spec)
@@ -311,7 +313,8 @@ class ServingCore:
         rid = spec.request_id or f"req-{uuid.uuid4().hex}"
         try:
             stream = self.engine.submit(GenerationRequest(
-                prompt_token_ids=ids, sampling_params=spec.params, request_id=rid, priority=spec.priority,
+                prompt_token_ids=ids, sampling_params=replace(spec.params, output_kind=OUTPUT_DELTA),
+                request_id=rid, priority=spec.priority,
                 cache_salt=spec.cache_salt))
         except ValueError as e:
             ticket.release()
@@ -365,13 +368,13 @@ class ServingCore:
                     live.last_token_at = now
                     live.generated += new
                     m.generation_tokens.inc(new)
-                    live.max_seq_tokens = max(live.max_seq_tokens, *(len(o.token_ids) for o in out.outputs))
                 live.ticket.release()  # any output means the request left the waiting queue
                 if out.finished:
                     m.e2e.observe(now - live.arrival)
                     m.req_generation_tokens.observe(live.generated)
-                    if live.first_token_at is not None and live.max_seq_tokens > 1:
-                        m.tpot.observe((now - live.first_token_at) / (live.max_seq_tokens - 1))
+                    longest = max((len(o.token_ids) for o in out.outputs), default=0)  # (cumulative: final)
+                    if live.first_token_at is not None and longest > 1:
+                        m.tpot.observe((now - live.first_token_at) / (longest - 1))
                     m.request_finished(_request_finish_reason(out))
                 live.queue.put_nowait(out)
             live.queue.put_nowait(_END)

@@ -83,6 +83,48 @@ def test_stop_string_truncates_text_and_streams_held_back(llm):
     engine.check_invariants()
 
 
+def test_output_kinds_carry_the_same_sequence(llm):
+    """cumulative, delta and final_only outputs of one request (n=2, logprobs, a stop string held
+    back while streaming) add up to the same final output; the prompt list is shared, not copied."""
+    engine = llm.engine
+
+    def stream(kind):
+        params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, logprobs=2, n=2, stop=["zzzz"],
+                                output_kind=kind)
+        engine.add_request(PROMPTS[2], params)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        engine.check_invariants()
+        return outs
+
+    cumulative, delta, final_only = stream("cumulative"), stream("delta"), stream("final_only")
+    final = cumulative[-1]
+    assert final.finished and [o.finished for o in cumulative].count(True) == 1 and len(cumulative) > 3
+    assert len(final_only) == 1 and final_only[0].finished
+    for outs in (cumulative, delta, final_only):
+        last = outs[-1]
+        assert all(o.prompt_token_ids is last.prompt_token_ids for o in outs)
+        assert last.prompt_token_ids == llm.tokenizer.encode(PROMPTS[2])
+        for c, want in zip(last.outputs, final.outputs):  # the final output is whole in every kind
+            assert (c.token_ids, c.text, c.logprobs, c.finish_reason) == (
+                want.token_ids, want.text, want.logprobs, want.finish_reason)
+            assert c.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+        for i, want in enumerate(final.outputs):  # the new_* pieces of every output add up to it
+            pieces = [o.outputs[i] for o in outs]
+            assert sum((c.new_token_ids for c in pieces), []) == want.token_ids
+            assert "".join(c.new_text for c in pieces) == want.text
+    for o in cumulative[:-1]:
+        for c in o.outputs:
+            assert len(c.logprobs) == len(c.token_ids) and c.token_ids[len(c.token_ids) - len(c.new_token_ids):] \
+                == c.new_token_ids
+    for o in delta[:-1]:  # a running request's delta: only what is new
+        for c in o.outputs:
+            assert c.token_ids == c.new_token_ids and c.text == c.new_text and len(c.logprobs) == len(c.token_ids)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="deltas")
+
+
 def test_logprobs_and_n(llm):
     outs = llm.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=11, max_tokens=10, logprobs=3, n=2))
     o = outs[0]

@@ -67,6 +67,15 @@ def test_bench_throughput_smoke(tmp_path):
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
 
 
+def test_bench_host_smoke(tmp_path):
+    res = _run("bench_host.py", "--model", "stories260k", "--num-seqs", "8", "--input-len", "16", "--output-len",
+               "12", "--repeats", "2", "--decode-steps", "4", out=tmp_path / "host.json")
+    for mode in ("offline", "cumulative", "delta"):  # (every request ran to --output-len: the script checks)
+        r = res[mode]
+        assert r["decode_steps"] > 0 and _positive(r["median_ms"]) and r["p90_ms"] >= r["median_ms"]
+        assert len(r["medians_ms"]) == 2 and math.isclose(r["us_per_seq"], r["median_ms"] * 1e3 / 8)
+
+
 def test_kernel_summary_of_a_device_trace(tmp_path):
     """benchlib.kernel_summary on a hand-made perfetto trace: kernels on the device's streams only
     (not the host's, not the derived XLA Ops line), busy = the union of their intervals, names

@@ -43,4 +43,6 @@ def test_sampling_params_message_covers_every_field():
     from runtime.request import SamplingParams
 
     proto_fields = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
-    assert {f.name for f in dataclasses.fields(SamplingParams)} <= proto_fields
+    # output_kind is how the server reads the engine's outputs (ServingCore asks for deltas), not a
+    # client's choice: a stream sends only new tokens whatever the request
+    assert {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"} <= proto_fields
