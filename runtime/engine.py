@@ -243,6 +243,7 @@ class Engine:
         self._groups: dict[str, _Group] = {}  # live user requests
         self._seqs: dict[str, _Seq] = {}  # live scheduler requests
         self._sid_counter = itertools.count()
+        self._unforked = 0  # live groups with samples still to fork (_Group.to_fork > 0)
         # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor)
         self._inflight: tuple[StepPlan, object, object, object] | None = None
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
@@ -294,6 +295,8 @@ class Engine:
                                                  priority=priority, cache_salt=cache_salt)
         self._groups[request_id] = group
         self._seqs[seq.sid] = seq
+        if group.to_fork:
+            self._unforked += 1
         self._counts["requests"] += 1
         self._counts["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
@@ -353,7 +356,9 @@ class Engine:
         group = self._groups.get(request_id)
         if group is None or group.finished:
             return False
-        group.to_fork = 0
+        if group.to_fork:
+            group.to_fork = 0
+            self._unforked -= 1
         for seq in group.seqs:
             if not seq.finished:
                 self.scheduler.abort(seq.sid)
@@ -398,6 +403,8 @@ class Engine:
         return outputs
 
     def _fork(self, plan: StepPlan) -> None:
+        if not self._unforked:  # (the common case: no n > 1 request waits for its prompt)
+            return
         for s in plan.seqs:
             seq = self._seqs.get(s.request_id)
             if seq is None or not s.sample or seq.group.to_fork == 0:
@@ -408,6 +415,7 @@ class Engine:
             for c in children:
                 self._seqs[c.sid] = c
             group.to_fork = 0
+            self._unforked -= 1
 
     def _finish_inflight(self) -> None:
         plan, tokens, _, logprobs = self._inflight
@@ -537,6 +545,7 @@ class Engine:
     def check_invariants(self) -> None:
         """AssertionError when bookkeeping is off; when idle, also that no page is held."""
         self.scheduler.check_invariants()
+        assert self._unforked == sum(1 for g in self._groups.values() if g.to_fork), "fork count drifted"
         alloc = self.scheduler.allocator
         if not self.has_unfinished():
             assert not self._seqs and not self._groups, "live sequences remain"
