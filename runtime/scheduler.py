@@ -420,7 +420,8 @@ class Scheduler:
         capacity = self.config.max_positions  # a burst's positions stop at the page table's end
 
         # The host plans every running sequence every step (256 and more): the loops below read
-        # fields rather than properties and build tuples positionally (docs/design.md, host cost).
+        # fields rather than properties and build tuples positionally (docs/design.md, "The host's
+        # side of a step").
         entries, running = ctx.entries, RequestStatus.RUNNING
         prefilling = []  # running requests partway through their prompt, in running order
         for req in list(self._running):  # 1. decodes
