@@ -75,9 +75,10 @@ from runtime.compilation import BucketTable, CompileAfterWarmupError, CompileWat
 from runtime.config import EngineConfig
 from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
+from runtime.plan import StepPlan
 from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
                              validate_prompt)
-from runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
 from sharding.mesh import mesh_axis_size
 from sharding.rules import kv_cache_sharding
@@ -433,8 +434,7 @@ class Engine:
             seq = seqs.get(rid)
             if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
                 continue
-            if seq.sampling.history is not None:
-                seq.sampling.append(token)
+            seq.sampling.append(token)
             row = None
             if lp is not None and seq.logprobs is not None:
                 i, k = rows[rid], seq.group.params.logprobs

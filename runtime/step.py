@@ -40,7 +40,7 @@ from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_ro
                               HISTORY_CHUNK, burst_history_placeholder, count_sampled, empty_rows, greedy,
                               history_placeholder, pad_slots, pick, put_bias_rows, put_request_rows, request_row,
                               sampled_logprobs, sampling_rows, split_seed)
-from runtime.scheduler import StepPlan
+from runtime.plan import StepPlan
 
 
 class StepBatch(NamedTuple):

@@ -21,7 +21,7 @@ from runtime.kv_cache import init_kv_pages
 from runtime.request import SamplingParams
 from runtime.sampling import (HISTORY_CHUNK, SamplingNeeds, burst_history_placeholder, count, empty_rows,
                               history_placeholder, put_request_rows, sampling_rows)
-from runtime.scheduler import ScheduledSeq, StepPlan
+from runtime.plan import ScheduledSeq, StepPlan
 from runtime.step import BatchPacker, SeqSampling, StepLayout, make_burst_fn, make_model_fn
 from sharding.rules import kv_cache_sharding
 from tests.testing.greedy import greedy_generate
