@@ -151,8 +151,8 @@ class _StepBuilder:
     entries: dict[str, tuple[Request, int, int, bool]] = field(default_factory=dict)  # id -> (req, start, n, prefill)
     preempted: list[str] = field(default_factory=list)
 
-    def add(self, req: Request, n: int) -> None:
-        self.entries[req.request_id] = (req, req.num_computed_tokens, n, req.is_prefill)
+    def add(self, req: Request, n: int, prefill: bool) -> None:
+        self.entries[req.request_id] = (req, req.num_computed_tokens, n, prefill)
         self.budget -= n
 
     def remove(self, req: Request) -> None:
@@ -373,8 +373,7 @@ class Scheduler:
             # (the first test is _ensure_pages' own, without its call: 15 of 16 decode steps need no page)
             end = min(start + K, capacity)
             if end <= len(req.pages) * G or self._ensure_pages(req, end, ctx):
-                entries[req.request_id] = (req, start, 1, False)
-                ctx.budget -= 1
+                ctx.add(req, 1, False)
 
         for req in prefilling:  # 2. prefills partway through their prompt
             if req.status is not running or req.request_id in entries:
@@ -383,7 +382,7 @@ class Scheduler:
                 break
             n = self._fit_chunk(req, min(req.prefill_target - req.num_computed_tokens, ctx.budget), ctx)
             if n:
-                ctx.add(req, n)
+                ctx.add(req, n, True)
 
         self._admit(ctx)  # 3. waiting requests
 
@@ -453,10 +452,7 @@ class Scheduler:
             tokens = req.token_ids
             room = req.max_tokens - (len(tokens) - len(req.prompt_token_ids))
             k = min(K, room)
-            if k == 1:
-                tokens.append(-(row + 1))
-            else:
-                tokens.extend([-(row + 1)] * k)
+            tokens.extend([-(row + 1)] * k)
             by_length = k == room
             if by_length:
                 self._finish(req, FINISH_LENGTH, None)
@@ -616,7 +612,7 @@ class Scheduler:
                 req.inflight = (held, req.num_tokens // G)
                 self._inflight.update(req.page_hashes[held : req.num_tokens // G])
             outstanding += need_total - need_now
-            ctx.add(req, n)
+            ctx.add(req, n, req.is_prefill)
 
     def _ensure_hashes(self, req: Request, num_pages: int) -> None:
         if len(req.page_hashes) < num_pages:
