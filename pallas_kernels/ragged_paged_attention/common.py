@@ -20,11 +20,14 @@ class BlockSizes:
     """Tile sizes of one kernel launch. Every field is validated here; shape-dependent limits are
     checked by each kernel against its arguments (`check_block_sizes`).
 
-    q_tokens_per_block: query tokens handled together; with the q heads of one KV head they form
-      the rows of every matmul (rows = q_tokens_per_block * N // K).
+    q_tokens_per_block: query tokens handled together; with the q heads of the block's KV heads
+      they form the rows of every matmul (GPU: rows = q_tokens_per_block * kv_heads_per_block * N // K).
     kv_pages_per_block: pages read per inner step (keys per step = kv_pages_per_block * G).
-    kv_heads_per_block: TPU only: KV heads per grid step (None: the smallest count whose slice of
-      the 2K axis is a whole (8 x packing) sublane tile, else all K).
+    kv_heads_per_block: KV heads per grid step. TPU: None is the smallest count whose slice of the
+      2K axis is a whole (8 x packing) sublane tile, else all K. GPU: a power of two dividing K;
+      the program's heads read their keys side by side in one tile and each row sees only its
+      own head's (rows = q_tokens_per_block * kv_heads_per_block * N // K); None: chosen from the
+      shapes (more than 1 only for short-row decode batches, head dim <= 64).
     kv_splits: GPU only: each sequence's KV range is split across this many programs and the
       partial softmaxes are merged afterwards (flash-decoding). None: chosen from the shapes so the
       grid covers the GPU's multiprocessors.

@@ -6,9 +6,12 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
     bound of min(T, cdiv(T, bq) + S) items. Unused items write zeros to the padding tokens' rows
     (without splits; with splits the merge does), so no select over the output follows the call
     (one a layer, 15 ms of the offline run on an H100);
-  * grid = (items, KV heads, kv_splits). A program stacks the q heads of its KV head as matmul
-    rows (rows = tokens x q heads per KV head, padded to a power of two >= 16, Triton's minimum),
-    so each K/V row is read once per KV head, not once per q head: decode is bandwidth bound;
+  * grid = (items, KV heads / kv_heads_per_block, kv_splits). A program stacks the q heads of its
+    KV heads as matmul rows (rows = tokens x KV heads x q heads per KV head, padded to a power of
+    two >= 16, Triton's minimum), so each K/V row is read once per KV head, not once per q head:
+    decode is bandwidth bound. With several KV heads a program, their keys lie side by side in
+    one K tile and a row's logits outside its own head's columns are masked (decode batches at
+    head dim 64: fewer, longer programs);
   * it walks the keys its rows can see (causal upper end, sliding-window lower end) in blocks of
     kv_pages_per_block * G keys, gathering K/V rows token by token through the page table
     (page_indices[s, pos // G] * G + pos % G), so the block size is independent of the page size
@@ -95,12 +98,22 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     # over 512 keys of a 592-key table, attention + merge took 5.9 us a layer with 10 splits against
     # 8.2 with 3 and XLA's merge (H100, docs/benchmarks.md "eighteenth session").
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, ppb * G)))
+    kh = 1
     if splits == 1 and not prefill_shaped(T, S):
         # Decode batches that fill the GPU without splits: K tiles of 8k elements (128 keys at head
         # dim 64) were 3-6% faster than 64 keys at 256 sequences x 512-768 keys of llama3_2_1b
         # (H200, docs/benchmarks.md "sixteenth session"); at head dim 128 this stays 64.
-        ppb = _pages_per_block(max(64, 8192 // H), G, P_max)
-    return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_splits=splits,
+        keys = max(64, 8192 // H)
+        # At head dim 64, up to 4 KV heads a program share those 8k elements (4 x 32 keys): fewer,
+        # longer programs, while >= 3 per SM remain. 256 sequences x 512-768 keys ran 2-5% faster
+        # (H100: 126.2 against 129.2 us at 640 keys); 64 x 4k, with only 128 such programs, 20%
+        # slower, and head dim 128 gained nothing (docs/kernels/ragged_paged_attention.md).
+        while (H <= 64 and kh < 4 and K % (2 * kh) == 0 and keys // (2 * kh) >= G
+               and items * K // (2 * kh) >= 3 * _num_sms()):
+            kh *= 2
+        ppb = _pages_per_block(keys // kh, G, P_max)
+        bq = max(1, min(rows // (kh * q_per_kv), T))
+    return BlockSizes(q_tokens_per_block=bq, kv_pages_per_block=ppb, kv_heads_per_block=kh, kv_splits=splits,
                       num_warps=4, num_stages=2)
 
 
@@ -116,10 +129,10 @@ def _check_head_dim(H: int):
         raise ValueError(f"head dim {H} must be a power of two >= 16 for the Triton kernel")
 
 
-def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, int, int]:
-    """(q tokens, keys, splits) per program, or ValueError naming the size that does not fit."""
+def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, int, int, int]:
+    """(q tokens, keys, KV heads, splits) per program, or ValueError naming the size that does not fit."""
     T, N, H = q.shape
-    G = kv_pages.shape[1]
+    G, K = kv_pages.shape[1], kv_pages.shape[2] // 2
     P_max = page_indices.shape[1]
     bkv = bs.kv_pages_per_block * G
     if bs.kv_pages_per_block > P_max:
@@ -128,8 +141,14 @@ def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, i
         raise ValueError(f"kv_pages_per_block * page size = {bs.kv_pages_per_block} * {G} = {bkv} keys; "
                          "Triton needs a power of two >= 16")
     _check_head_dim(H)
-    splits = bs.kv_splits if bs.kv_splits is not None else default_block_sizes(q, kv_pages, page_indices).kv_splits
-    return min(bs.q_tokens_per_block, T), bkv, splits
+    default = None
+    if bs.kv_splits is None or bs.kv_heads_per_block is None:
+        default = default_block_sizes(q, kv_pages, page_indices)
+    splits = bs.kv_splits if bs.kv_splits is not None else default.kv_splits
+    kh = bs.kv_heads_per_block if bs.kv_heads_per_block is not None else default.kv_heads_per_block
+    if K % kh or kh & (kh - 1):
+        raise ValueError(f"kv_heads_per_block={kh} must be a power of two that divides K={K}")
+    return min(bs.q_tokens_per_block, T), bkv, kh, splits
 
 
 def _kernel(
@@ -148,6 +167,7 @@ def _kernel(
     soft_cap: float | None,
     num_heads: int,
     num_kv_heads: int,
+    kv_heads: int,
     page_size: int,
     pages_per_seq: int,
     q_tokens: int,
@@ -156,9 +176,15 @@ def _kernel(
     kv_splits: int,
     unmasked_full_blocks: bool,
 ):
-    i, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_per_kv = num_heads // num_kv_heads
     s = item_seq_ref[i]
+    # Row r: token r // (kv_heads * q_per_kv) of the item, KV head row_head, q head row_q.
+    r = jnp.arange(rows, dtype=jnp.int32)
+    row_tok = lax.div(r, kv_heads * q_per_kv)
+    row_head = hb * kv_heads + lax.rem(lax.div(r, q_per_kv), kv_heads)
+    row_q = row_head * q_per_kv + lax.rem(r, q_per_kv)
+    row_used = r < q_tokens * kv_heads * q_per_kv
     f32 = jnp.float32
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
@@ -169,12 +195,11 @@ def _kernel(
         # always enough unused items for that (_work_items).
         @pl.when(s < 0)
         def _():
-            r = jnp.arange(rows, dtype=jnp.int32)
             lead, tail = cu_q_lens_ref[0], cu_q_lens_ref[num_seqs_ref[0]]
-            p = item_tok_ref[i] + lax.div(r, q_per_kv)
+            p = item_tok_ref[i] + row_tok
             tok = jnp.where(p < lead, p, p - lead + tail)
-            ok = (r < q_tokens * q_per_kv) & (tok < q_ref.shape[0] // num_heads)
-            dst = jnp.where(ok, tok * num_heads + h * q_per_kv + lax.rem(r, q_per_kv), q_ref.shape[0] + r)
+            ok = row_used & (tok < q_ref.shape[0] // num_heads)
+            dst = jnp.where(ok, tok * num_heads + row_q, q_ref.shape[0] + r)
             cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
             plgpu.store(o_ref.at[dst[:, None], cols], jnp.zeros((rows, q_ref.shape[1]), o_ref.dtype),
                         mask=ok[:, None])
@@ -184,12 +209,11 @@ def _kernel(
         q0 = item_tok_ref[i]
         q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
         ctx = kv_len - (q_end - q_start)  # KV position of the sequence's first query token
-        r = jnp.arange(rows, dtype=jnp.int32)
-        tok = q0 + lax.div(r, q_per_kv)
-        row_ok = (r < q_tokens * q_per_kv) & (tok < q_end)
+        tok = q0 + row_tok
+        row_ok = row_used & (tok < q_end)
         # Masked rows keep distinct (possibly out-of-range) indices: a masked store is a no-op on the
         # GPU, but interpret mode writes back every indexed row, so duplicates would clobber.
-        q_rows = tok * num_heads + h * q_per_kv + lax.rem(r, q_per_kv)
+        q_rows = tok * num_heads + row_q
         q_pos = ctx + tok - q_start
         hi = ctx + jnp.minimum(q0 + q_tokens, q_end) - q_start  # keys [lo, hi) are visible to some row
         lo = 0 if sliding_window is None else jnp.maximum(ctx + q0 - q_start - sliding_window + 1, 0)
@@ -203,13 +227,23 @@ def _kernel(
         cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
         q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
 
+        # Key column c: key b * kv_block + c % kv_block of KV head col_head (the program's KV heads
+        # side by side); a row sees only its own head's columns.
+        # With one KV head the columns are the keys (scalar head: the same code as before).
+        c = jnp.arange(kv_heads * kv_block, dtype=jnp.int32)
+        if kv_heads > 1:
+            col_head, col_key = hb * kv_heads + lax.div(c, kv_block), lax.rem(c, kv_block)
+            head_mask = row_head[:, None] == col_head[None, :]
+        else:
+            col_head, col_key, head_mask = hb, c, None
+
         def body(b, carry, *, masked: bool):
             m, l, acc = carry
-            pos = b * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
+            pos = b * kv_block + col_key
             pos_ok = ((pos >= lo) & (pos < hi)) if masked else None
             page = plgpu.load(page_indices_ref.at[s * pages_per_seq + lax.div(pos, page_size)],
                               mask=pos_ok, other=0 if masked else None)
-            kv_row = (page * page_size + lax.rem(pos, page_size)) * (2 * num_kv_heads) + 2 * h
+            kv_row = (page * page_size + lax.rem(pos, page_size)) * (2 * num_kv_heads) + 2 * col_head
             kv_ok, zero = (pos_ok[:, None], 0.0) if masked else (None, None)
             k = plgpu.load(kv_ref.at[kv_row[:, None], cols], mask=kv_ok, other=zero)
             v = plgpu.load(kv_ref.at[kv_row[:, None] + 1, cols], mask=kv_ok, other=zero)
@@ -219,14 +253,18 @@ def _kernel(
                 logits = logits * (sm_scale * _LOG2E)
             else:
                 logits = (soft_cap * _LOG2E) * jnp.tanh(logits * (sm_scale / soft_cap))
+            mask = head_mask
             if masked:
                 mask = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
                 if sliding_window is not None:
                     mask &= pos[None, :] > q_pos[:, None] - sliding_window
+                if head_mask is not None:
+                    mask &= head_mask
+            if mask is not None:
                 logits = jnp.where(mask, logits, MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(logits, axis=1))
             p = jnp.exp2(logits - m_next[:, None])
-            if masked:
+            if mask is not None:
                 p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp2(m - m_next)
             pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
@@ -283,8 +321,8 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     P, G, K2, _ = kv_pages.shape
     K = K2 // 2
     S, P_max = page_indices.shape
-    bq, bkv, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
-    rows = max(16, next_pow2(bq * (N // K)))
+    bq, bkv, kh, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
+    rows = max(16, next_pow2(bq * kh * (N // K)))
     num_items = min(T, pl.cdiv(T, bq) + S)  # every item holds a token: no more items than tokens
     item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
     if splits == 1:
@@ -294,13 +332,13 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
                      jax.ShapeDtypeStruct((splits, T * N), jnp.float32)]
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        num_heads=N, num_kv_heads=K, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
+        num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
         kv_block=bkv, kv_splits=splits,
         unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
-        grid=(num_items, K, splits),
+        grid=(num_items, K // kh, splits),
         in_specs=[any_spec] * 8,
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,

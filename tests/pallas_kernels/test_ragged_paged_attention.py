@@ -197,6 +197,16 @@ def test_gpu_kernel(case, dtype):
     check_kernel(functools.partial(gpu.ragged_paged_attention, block_sizes=bs, interpret=True), case, dtype)
 
 
+@pytest.mark.parametrize("case", [c for c, (shape, _) in CASES.items() if shape.K % 2 == 0])
+def test_gpu_kernel_kv_heads_per_block(case):
+    """Two KV heads a program (their keys side by side in one tile, each row masked to its own
+    head's), with and without splits."""
+    shape = CASES[case][0]
+    splits = 1 + zlib.crc32(case.encode()) % 2
+    bs = dataclasses.replace(gpu_test_blocks(shape, splits), q_tokens_per_block=2, kv_heads_per_block=2)
+    check_kernel(functools.partial(gpu.ragged_paged_attention, block_sizes=bs, interpret=True), case, jnp.float32)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_gpu_kernel_leading_padding(splits):
     """Tokens before cu_q_lens[0] are padding too: zero, like those past cu_q_lens[num_seqs] (with one
@@ -237,17 +247,23 @@ def test_gpu_default_block_sizes_stack_prefill_rows():
 
 def test_gpu_default_block_sizes_decode_batches():
     """A decode batch that fills the GPU without splitting keys reads K tiles of 8k elements: 128
-    keys a block at head dim 64, 64 at 128; a batch-1 decode keeps 64 keys and splits. The 128-key
-    default matches the reference."""
-    def keys_and_splits(S, H, N=32, K=8, G=16, P_max=48):
+    keys a block at head dim 64, 64 at 128; at head dim 64 up to 4 KV heads a program share them
+    while >= 3 programs per SM remain (132 SMs when the device reports none); a batch-1 decode keeps
+    64 keys and splits. The 128-key default matches the reference."""
+    def keys_heads_splits(S, H, N=32, K=8, G=16, P_max=48):
         bs = gpu.default_block_sizes(jnp.zeros((S, N, H), jnp.bfloat16), jnp.zeros((4, G, 2 * K, H), jnp.bfloat16),
                                      jnp.zeros((S, P_max), jnp.int32))
-        return bs.kv_pages_per_block * G, bs.kv_splits
+        gpu.check_block_sizes(bs, jnp.zeros((S, N, H)), jnp.zeros((4, G, 2 * K, H)), jnp.zeros((S, P_max), jnp.int32))
+        assert bs.q_tokens_per_block * bs.kv_heads_per_block * N // K == min(16, S * N // K)  # rows a program
+        return bs.kv_pages_per_block * G, bs.kv_heads_per_block, bs.kv_splits
 
-    assert keys_and_splits(256, 64) == (128, 1)
-    assert keys_and_splits(256, 128) == (64, 1)
-    assert keys_and_splits(1, 64)[0] == 64 and keys_and_splits(1, 64)[1] > 1
-    assert keys_and_splits(256, 64, P_max=3) == (32, 1)  # no wider than the page table
+    assert keys_heads_splits(256, 64) == (32, 4, 1)  # 512 programs of 4 KV heads
+    assert keys_heads_splits(128, 64) == (64, 2, 1)
+    assert keys_heads_splits(64, 64) == (128, 1, 1)
+    assert keys_heads_splits(256, 64, G=64) == (64, 2, 1)  # no fewer keys than a page
+    assert keys_heads_splits(256, 128) == (64, 1, 1)
+    assert keys_heads_splits(1, 64)[:2] == (64, 1) and keys_heads_splits(1, 64)[2] > 1
+    assert keys_heads_splits(256, 64, P_max=1) == (16, 4, 1)  # no wider than the page table
     shape = Shape(N=4, K=4, H=64, T=72, S=72, P_max=12)  # 72 sequences x 4 KV heads: no splits
     rng = np.random.default_rng(7)
     q_lens = (1,) * 72
@@ -511,6 +527,9 @@ def test_tpu_rejects_untiled_kv_head_block():
 GPU_CASES = {
     "decode_32x_page16": (Shape(N=32, K=8, H=128, G=16, T=32, S=32, P_max=128, pages=2200),
                           Batch((1,) * 32, tuple(int(x) for x in np.linspace(1, 2048, 32)))),
+    # the offline benchmark's decode shape: the default puts 4 KV heads in a program
+    "decode_256x_h64": (Shape(N=32, K=8, H=64, G=16, T=256, S=256, P_max=48, pages=12400),
+                        Batch((1,) * 256, tuple(int(x) for x in np.linspace(1, 768, 256)))),
     "mixed_page64_h64": (Shape(N=16, K=4, H=64, G=64, T=600, S=12, P_max=40, pages=120),
                          Batch((1, 300, 1, 200, 1, 1, 90), (2500, 300, 64, 1000, 65, 1, 2559))),
     "window_cap_h256": (Shape(N=8, K=2, H=256, G=32, T=300, S=4, P_max=40, sliding_window=256, soft_cap=30.0,
