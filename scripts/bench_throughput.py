@@ -162,7 +162,11 @@ def profile_run(llm, args, vocab_size: int, params) -> dict:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, repeat_seed(args, args.repeats))
     steps0 = llm.engine.stats().num_steps
     t0 = time.perf_counter()
-    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+    # Python tracer off: tracing every Python call slows the host, whose stalls would show as gaps
+    # between the device kernels (twenty-fourth session).
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True, profiler_options=options):
         llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     llm.engine.check_invariants()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 
 from runtime.engine import frozen_heap
@@ -149,6 +150,24 @@ def test_per_prompt_params_and_errors(llm):
     with pytest.raises(ValueError, match="max_model_len is 256"):
         llm.generate([PROMPTS[0], "word " * 400], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()  # every prompt is checked before any is queued
+    llm.engine.check_invariants()
+
+
+def test_prompt_ids_of_any_integer_type_and_nothing_else(llm):
+    """Token ids may come as lists, tuples or numpy arrays of any integer type; a float or a bool
+    among them is an error (it was truncated to an int before), and so is a negative id."""
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    want = llm.generate([ids], sp)[0].outputs[0].token_ids
+    for form in (tuple(ids), np.asarray(ids, np.int64), np.asarray(ids, np.int32), [np.int64(t) for t in ids]):
+        out = llm.generate([form, ids], sp)
+        assert [o.outputs[0].token_ids for o in out] == [want, want]
+        assert out[0].prompt_token_ids == ids and type(out[0].prompt_token_ids[0]) is int
+    assert llm.generate(ids, sp)[0].outputs[0].token_ids == want  # one prompt as a flat list of ids
+    for bad in (ids[:3] + [1.5], ids[:3] + [True], ids[:3] + [-1]):
+        with pytest.raises(ValueError, match="prompt token ids must be ints >= 0"):
+            llm.generate([ids, bad], sp)
+    assert not llm.engine.has_unfinished()
     llm.engine.check_invariants()
 
 
