@@ -162,8 +162,8 @@ def profile_run(llm, args, vocab_size: int, params) -> dict:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, repeat_seed(args, args.repeats))
     steps0 = llm.engine.stats().num_steps
     t0 = time.perf_counter()
-    # Python tracer off: tracing every Python call slows the host, whose stalls would show as gaps
-    # between the device kernels (twenty-fourth session).
+    # Python tracer off: the device's kernels are what is listed, and tracing every Python call made
+    # the traced run take 17.8 s instead of 5.0 s on an H100 (collection included).
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with jax.profiler.trace(args.profile, create_perfetto_trace=True, profiler_options=options):
