@@ -229,7 +229,7 @@ def _kernel(
 
         # Key column c: key b * kv_block + c % kv_block of KV head col_head (the program's KV heads
         # side by side); a row sees only its own head's columns.
-        # With one KV head the columns are the keys (scalar head: the same code as before).
+        # With one KV head the columns are the keys and the head a scalar: no column arithmetic.
         c = jnp.arange(kv_heads * kv_block, dtype=jnp.int32)
         if kv_heads > 1:
             col_head, col_key = hb * kv_heads + lax.div(c, kv_block), lax.rem(c, kv_block)

@@ -508,6 +508,8 @@ def test_block_sizes_validate(kwargs, message):
     ("tpu", BlockSizes(kv_pages_per_block=9), "kv_pages_per_block=9 exceeds"),
     ("gpu", BlockSizes(kv_pages_per_block=3), "3 \\* 16 = 48 keys"),
     ("gpu", BlockSizes(kv_pages_per_block=9), "kv_pages_per_block=9 exceeds"),
+    ("gpu", BlockSizes(kv_pages_per_block=2, kv_heads_per_block=4), "kv_heads_per_block=4 must be a power of two "
+                                                                     "that divides K=2"),
 ], ids=str)
 def test_block_sizes_checked_against_shapes(impl, bs, message):
     with pytest.raises(ValueError, match=message):
