@@ -179,6 +179,24 @@ def test_bad_prompt_raises_before_anything_runs(llm):
     assert (after.num_requests, after.num_steps) == (before.num_requests, before.num_steps)
 
 
+def test_prompts_past_the_first_step_are_checked_while_it_runs(llm):
+    """The prompts the first step can take (8 slots here) are checked before it runs, the rest while
+    the device runs it: a bad one among them raises before the second step, with the call's
+    requests withdrawn and the engine left empty."""
+    engine = llm.engine
+    before = engine.stats()
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(10)] + ["word " * 400]
+    with pytest.raises(ValueError, match=r"request 'prompt 10': .*max_model_len is 256"):
+        llm.generate(prompts, SamplingParams(max_tokens=4))
+    after = engine.stats()
+    assert after.num_steps - before.num_steps >= 1  # the first step ran (and the withdrawal drained it)
+    assert after.num_aborted - before.num_aborted == 8  # the 8 queued for the first step
+    assert not engine.has_unfinished() and gc.get_freeze_count() == 0
+    engine.check_invariants()
+    outs = llm.generate(prompts[:10], SamplingParams(temperature=0.0, max_tokens=4))  # the engine serves on
+    assert [o.prompt for o in outs] == prompts[:10]
+
+
 def test_prompts_are_queued_as_the_engine_takes_them(llm, monkeypatch):
     # 24 prompts of 20-40 tokens against 8 slots and a 64-token budget: the queue is topped up to
     # two budgets (128 tokens) or 8 waiting requests, whichever comes first, between steps, and the
