@@ -168,10 +168,9 @@ class LLM:
     def _check(self, unchecked: deque, todo: deque, *, first_step: bool) -> None:
         """Move prompts from `unchecked` to `todo`, tokenized and checked (ValueError names the
         prompt): with first_step, as many as `_queue` would queue before the first step, else all."""
-        engine, cfg = self.engine, self.engine.config
+        engine = self.engine
         tokens = 0
-        while unchecked and not (first_step and (len(todo) >= cfg.max_num_seqs
-                                                 or tokens >= 2 * cfg.max_num_batched_tokens)):
+        while unchecked and (not first_step or self._room(len(todo), tokens)):
             i, (p, sp) = unchecked.popleft()
             text, prompt_ids = engine.prepare_prompt(p)
             engine.validate(prompt_ids, sp, request_id=f"prompt {i}")
@@ -186,16 +185,21 @@ class LLM:
         if not todo:  # every prompt is queued: nothing to count (the decode steps' path)
             return
         engine = self.engine
-        sched, cfg = engine.scheduler, engine.config
-        waiting, tokens = sched.num_waiting, sched.num_waiting_tokens
+        waiting, tokens = engine.scheduler.num_waiting, engine.scheduler.num_waiting_tokens
         try:
-            while todo and waiting < cfg.max_num_seqs and tokens < 2 * cfg.max_num_batched_tokens:
+            while todo and self._room(waiting, tokens):
                 prompt_ids, text, sp = todo.popleft()
                 ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text))
                 waiting, tokens = waiting + 1, tokens + len(prompt_ids)
         except Exception:
             self._withdraw(ids)
             raise
+
+    def _room(self, requests: int, tokens: int) -> bool:
+        """Whether the queue window (max_num_seqs requests, two steps' worth of prompt tokens) has
+        room past `requests` waiting requests of `tokens` prompt tokens."""
+        cfg = self.engine.config
+        return requests < cfg.max_num_seqs and tokens < 2 * cfg.max_num_batched_tokens
 
     def _withdraw(self, ids: list[str]) -> None:
         """Abort every request of the call and run the engine until it is empty."""
