@@ -71,8 +71,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata):
-        # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]
+    def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata, decode_only: bool = False):
+        # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]; decode_only: every sequence has at
+        # most one token in this step (decode bursts), so the KV write may run inside the attention
         cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
         T, D = x.shape
         qkv = jnp.einsum("td,dgrh->tgrh", x, self.qkv_proj[...].astype(dt), precision=prec)
@@ -82,11 +83,15 @@ class Attention(nnx.Module):
             R = qkv.shape[2] - 2
             qkv = jnp.concatenate([self.q_norm(qkv[:, :, :R]), self.k_norm(qkv[:, :, R:R + 1]), qkv[:, :, R + 1:]],
                                   axis=2)
-        o, kv_pages = self._write_and_attend(kv_pages, qkv, cos, sin, *meta)
+        o, kv_pages = self._write_and_attend(kv_pages, qkv, cos, sin, *meta, decode_only=decode_only)
         return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
 
-    def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta):
+    def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
+            if decode_only:  # RoPE, the KV write and the attention: one launch on GPU
+                return dispatch.write_qkv_attention(
+                    kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5,
+                    sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
             # RoPE, the KV write and q's split out of the merged projection: one launch on GPU.
             q, kv_pages = dispatch.write_qkv(kv_pages, qkv, cos, sin, *meta, implementation=self.attn_impl)
             o = dispatch.ragged_paged_attention(
@@ -124,10 +129,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, gemm_impl=gemm_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, h, cos, sin, kv_pages, meta, next_norm: RMSNorm | None):
+    def __call__(self, x, h, cos, sin, kv_pages, meta, next_norm: RMSNorm | None, decode_only: bool = False):
         """x: the residual stream, h: input_norm(x) (the previous layer computed it with its last
         add). Returns the new stream, next_norm of it (None: the stream only) and the pages."""
-        a, kv_pages = self.attn(h, cos, sin, kv_pages, meta)
+        a, kv_pages = self.attn(h, cos, sin, kv_pages, meta, decode_only)
         impl = self.attn.attn_impl  # the kernels for the platform the model lives on
         x, h = self.post_attn_norm.add(x, a, impl)
         m = self.mlp(h)
@@ -170,6 +175,7 @@ class LlamaModel(nnx.Module):
         meta: AttentionMetadata,
         logits_indices: jax.Array | None = None,  # i32[R]: rows to compute logits for (default: all)
         greedy: bool = False,  # return each row's argmax (i32[T or R]) instead of its logits
+        decode_only: bool = False,  # every sequence has at most one token (the caller guarantees it)
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # f32[T or R, V] (or the argmax), kv_pages
         if len(kv_pages) != self.cfg.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers; the model has {self.cfg.num_layers}")
@@ -192,7 +198,7 @@ class LlamaModel(nnx.Module):
             # each residual add is fused with the norm that reads it (RMSNorm.add); the last one
             # is not: the final norm runs on the logits rows only
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x, h, pages = layer(x, h, cos, sin, pages, meta, next_norm)
+            x, h, pages = layer(x, h, cos, sin, pages, meta, next_norm, decode_only)
             new_pages.append(pages)
         if logits_indices is not None:
             x = jnp.take(x, logits_indices, axis=0)
@@ -262,10 +268,14 @@ def is_qkv_param(path) -> bool:
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable:
     """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages);
-    with greedy=True, (each logits row's argmax i32, kv_pages)."""
+    with greedy=True, (each logits row's argmax i32, kv_pages). decode_only=True promises that every
+    sequence has at most one token in the step (the engine's decode bursts): the GPU then writes
+    K/V inside the attention kernel (dispatch.write_qkv_attention); the result is the same."""
 
-    def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False):
-        return nnx.merge(graphdef, params)(tokens, positions, kv_pages, attn_meta, logits_indices, greedy)
+    def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False,
+                decode_only=False):
+        return nnx.merge(graphdef, params)(tokens, positions, kv_pages, attn_meta, logits_indices, greedy,
+                                           decode_only)
 
     return forward
 

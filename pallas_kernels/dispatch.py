@@ -73,6 +73,26 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
 
 
+def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                        sliding_window=None, soft_cap=None, implementation: str = "auto"):
+    """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages), for a step whose
+    sequences have at most one token each (decode; the caller guarantees it).
+
+    implementation: as write_qkv's. "gpu" -> one Pallas Triton launch that takes each token's own
+    key from the projection and writes it (ragged_paged_attention/gpu.py, write_qkv_attention);
+    "tpu" and "reference" -> the two calls."""
+    if implementation == "auto":
+        implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
+    if implementation == "gpu":
+        return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
+                            implementation=implementation)
+    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  implementation=implementation), kv_pages
+
+
 def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
     """(x + r, RMSNorm(x + r) * scale): a decoder layer's residual add and the norm after it.
 

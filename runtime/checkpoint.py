@@ -61,7 +61,8 @@ class LoadedModel:
 
     @cached_property
     def forward(self):
-        """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False)."""
+        """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False,
+        decode_only=False) (models/llama.py, make_forward)."""
         return make_forward(self.graphdef)
 
 

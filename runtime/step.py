@@ -195,9 +195,11 @@ def _build_burst_fn(forward: Callable) -> Callable:
             attn = b.attn._replace(kv_lens=jnp.where(live, jnp.minimum(b.attn.kv_lens + j, last_pos + 1), 0))
             positions = jnp.minimum(b.positions + j, last_pos)
             if sampler == GREEDY_HEAD:
-                t, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices, greedy=True)
+                t, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices, greedy=True,
+                                      decode_only=True)
                 return pad_slots(t, slots), kv_pages, counts, lps
-            logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices)
+            logits, kv_pages = forward(params, tokens, positions, kv_pages, attn, b.logits_indices,
+                                       decode_only=True)
             raw = logits = logits.astype(jnp.float32)
             rows_j = advance_rows(rows, j)
             b_j = sampling_rows(rows_j)

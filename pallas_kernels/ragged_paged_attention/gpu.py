@@ -158,10 +158,9 @@ def _kernel(
     page_indices_ref,  # i32[S * P_max]
     cu_q_lens_ref,  # i32[S + 1]
     num_seqs_ref,  # i32[1]
-    q_ref,  # [T * N, H]
+    q_ref,  # [T * N, H]; with decode_write, the merged projection's rows [T * K * (R + 2), H]
     kv_ref,  # [P * G * 2K, H]
-    o_ref,  # [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]
-    *lse_refs,  # () or (f32[kv_splits, T * N] log2-sum-exp2 per row,)
+    *refs,  # (cos, sin f32[T, H/2])? o, (lse,)?, (pool out, aliased to kv_ref)?
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -175,9 +174,16 @@ def _kernel(
     kv_block: int,
     kv_splits: int,
     unmasked_full_blocks: bool,
+    decode_write: bool,
 ):
+    # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
+    # (f32[kv_splits, T * N] log2-sum-exp2 per row,)
+    if decode_write:
+        cos_ref, sin_ref, *refs, kv_out_ref = refs
+    o_ref, *lse_refs = refs
     i, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_per_kv = num_heads // num_kv_heads
+    num_tokens = o_ref.shape[-2] // num_heads
     s = item_seq_ref[i]
     # Row r: token r // (kv_heads * q_per_kv) of the item, KV head row_head, q head row_q.
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -198,10 +204,10 @@ def _kernel(
             lead, tail = cu_q_lens_ref[0], cu_q_lens_ref[num_seqs_ref[0]]
             p = item_tok_ref[i] + row_tok
             tok = jnp.where(p < lead, p, p - lead + tail)
-            ok = row_used & (tok < q_ref.shape[0] // num_heads)
-            dst = jnp.where(ok, tok * num_heads + row_q, q_ref.shape[0] + r)
-            cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
-            plgpu.store(o_ref.at[dst[:, None], cols], jnp.zeros((rows, q_ref.shape[1]), o_ref.dtype),
+            ok = row_used & (tok < num_tokens)
+            dst = jnp.where(ok, tok * num_heads + row_q, o_ref.shape[0] + r)
+            cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)[None, :]
+            plgpu.store(o_ref.at[dst[:, None], cols], jnp.zeros((rows, o_ref.shape[1]), o_ref.dtype),
                         mask=ok[:, None])
 
     @pl.when(s >= 0)
@@ -216,6 +222,8 @@ def _kernel(
         q_rows = tok * num_heads + row_q
         q_pos = ctx + tok - q_start
         hi = ctx + jnp.minimum(q0 + q_tokens, q_end) - q_start  # keys [lo, hi) are visible to some row
+        if decode_write:
+            hi = ctx  # the pages hold the keys before the token's own, which comes from the projection
         lo = 0 if sliding_window is None else jnp.maximum(ctx + q0 - q_start - sliding_window + 1, 0)
         blk_lo = lax.div(lo, kv_block)
         n_blk = lax.div(hi + kv_block - 1, kv_block) - blk_lo
@@ -224,8 +232,31 @@ def _kernel(
         b1 = jnp.minimum(b0 + per_split, blk_lo + n_blk)
 
         # Index arrays on every axis: interpret mode cannot mix gathers with slices.
-        cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
-        q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+        H = kv_ref.shape[1]
+        cols = jnp.arange(H, dtype=jnp.int32)[None, :]
+        if decode_write:
+            # The row's query head, its KV head's k and v in the merged projection's rows; RoPE on q
+            # and k as write_qkv applies it (rounded to the projection's dtype), k and v of the
+            # token's own position kept for the softmax's first term and the write below.
+            group = (tok * num_kv_heads + row_head) * (q_per_kv + 2)
+            c = jnp.arange(H, dtype=jnp.int32)
+            partner = jnp.where(c < H // 2, c + H // 2, c - H // 2)[None, :]
+            sign = jnp.where(c < H // 2, -1.0, 1.0)[None, :]
+            freq = lax.rem(c, H // 2)[None, :]
+            rot = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0) for ref in (cos_ref, sin_ref))
+            cos, sin = rot
+
+            def rope(src):
+                x, xp = (plgpu.load(q_ref.at[src[:, None], cc], mask=row_ok[:, None], other=0.0).astype(f32)
+                         for cc in (cols, partner))
+                return (x * cos + sign * xp * sin).astype(q_ref.dtype).astype(kv_ref.dtype)
+
+            q = rope(group + lax.rem(r, q_per_kv))
+            k_new = rope(group + q_per_kv)
+            v_new = plgpu.load(q_ref.at[group[:, None] + q_per_kv + 1, cols], mask=row_ok[:, None],
+                               other=0.0).astype(kv_ref.dtype)
+        else:
+            q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
 
         # Key column c: key b * kv_block + c % kv_block of KV head col_head (the program's KV heads
         # side by side); a row sees only its own head's columns.
@@ -270,8 +301,31 @@ def _kernel(
             pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return m_next, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
-        init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
-                jnp.zeros((rows, q_ref.shape[1]), f32))
+        init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, H), f32))
+        if decode_write:
+            # The token's own key starts the softmax of split 0 (every split's keys are before it).
+            own = row_ok & (split == 0)
+            s_own = jnp.sum(q.astype(f32) * k_new.astype(f32), axis=1)
+            if soft_cap is None:
+                s_own = s_own * (sm_scale * _LOG2E)
+            else:
+                s_own = (soft_cap * _LOG2E) * jnp.tanh(s_own * (sm_scale / soft_cap))
+            init = (jnp.where(own, s_own, MASK_VALUE), jnp.where(own, 1.0, 0.0),
+                    jnp.where(own[:, None], v_new.astype(f32), 0.0))
+
+            # Split 0 writes the token's k and v (one row of each query group) to its page slot.
+            @pl.when(split == 0)
+            def _():
+                page = plgpu.load(page_indices_ref.at[s * pages_per_seq + jnp.clip(lax.div(q_pos, page_size), 0,
+                                                                                  pages_per_seq - 1)],
+                                  mask=row_ok, other=0)
+                slot = page * page_size + lax.rem(q_pos, page_size)
+                num_slots = kv_ref.shape[0] // (2 * num_kv_heads)
+                w_ok = row_ok & (lax.rem(r, q_per_kv) == 0) & (slot >= 0) & (slot < num_slots)
+                # masked rows get distinct rows past the pool (interpret mode writes back every index)
+                dst = jnp.where(w_ok, slot * (2 * num_kv_heads) + 2 * row_head, kv_ref.shape[0] + 2 * r)
+                plgpu.store(kv_out_ref.at[dst[:, None], cols], k_new, mask=w_ok[:, None])
+                plgpu.store(kv_out_ref.at[dst[:, None] + 1, cols], v_new, mask=w_ok[:, None])
         # unmasked_full_blocks (no window): blocks whose keys every row may see (all at or before the
         # item's first query position) skip the mask and the masked loads, in a loop of their own:
         # those below the diagonal of a prefill chunk. Rows past the item's tokens then hold q = 0
@@ -315,44 +369,63 @@ def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes",
                                              "interpret"))
-def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, rope, *, sm_scale,
                             sliding_window, soft_cap, block_sizes, interpret):
-    T, N, H = q.shape
-    P, G, K2, _ = kv_pages.shape
+    """The launch and, with splits, the merge: o [T, N, H]. With `rope` (cos, sin), q is the merged
+    projection [T, K, R + 2, H] of a step whose sequences have at most one token each, and the
+    result is (o, kv_pages with those tokens' k and v written): write_qkv_attention."""
+    P, G, K2, H = kv_pages.shape
     K = K2 // 2
     S, P_max = page_indices.shape
-    bq, bkv, kh, splits = check_block_sizes(block_sizes, q, kv_pages, page_indices)
+    if rope is None:
+        T, N, _ = q.shape
+        q_in, dtype = q.reshape(T * N, H), q.dtype
+    else:
+        T, _, R2, _ = q.shape
+        N = K * (R2 - 2)
+        q_in, dtype = q.reshape(T * K * R2, H), kv_pages.dtype
+    q_shape = jax.ShapeDtypeStruct((T, N, H), dtype)
+    bq, bkv, kh, splits = check_block_sizes(block_sizes, q_shape, kv_pages, page_indices)
     rows = max(16, next_pow2(bq * kh * (N // K)))
     num_items = min(T, pl.cdiv(T, bq) + S)  # every item holds a token: no more items than tokens
     item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
     if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((T * N, H), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((T * N, H), dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((splits, T * N, H), jnp.float32),
                      jax.ShapeDtypeStruct((splits, T * N), jnp.float32)]
+    inputs = [item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, q_in,
+              kv_pages.reshape(P * G * K2, H)]
+    aliases = {}
+    if rope is not None:
+        inputs += list(rope)
+        aliases = {7: len(out_shape)}  # the pool, updated in place
+        out_shape.append(jax.ShapeDtypeStruct((P * G * K2, H), kv_pages.dtype))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
-        kv_block=bkv, kv_splits=splits,
-        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None)
+        kv_block=bkv, kv_splits=splits, decode_write=rope is not None,
+        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
         grid=(num_items, K // kh, splits),
-        in_specs=[any_spec] * 8,
+        in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
                                              num_stages=block_sizes.num_stages),
-        cost_estimate=ref_cost_estimate(q, kv_pages, page_indices, soft_cap=soft_cap),
+        cost_estimate=ref_cost_estimate(q_shape, kv_pages, page_indices, soft_cap=soft_cap),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, q.reshape(T * N, H),
-      kv_pages.reshape(P * G * K2, H))
+    )(*inputs)
     if splits > 1:  # the merge writes every token, zeros for padding ones
-        return _merge_splits(*outs, cu_q_lens, num_seqs, num_heads=N, dtype=q.dtype,
-                             interpret=interpret).reshape(T, N, H)
-    return outs[0].reshape(T, N, H)  # padding rows zeroed by the unused items
+        o = _merge_splits(*outs[:2], cu_q_lens, num_seqs, num_heads=N, dtype=dtype, interpret=interpret)
+    else:
+        o = outs[0]  # padding rows zeroed by the unused items
+    o = o.reshape(T, N, H)
+    return o if rope is None else (o, outs[-1].reshape(P, G, K2, H))
 
 
 def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
@@ -424,7 +497,7 @@ def ragged_paged_attention(
     q = q.astype(kv_pages.dtype)  # matmuls run in the cache's dtype (f32 activations, bf16 KV)
     if block_sizes is None:
         block_sizes = default_block_sizes(q, kv_pages, page_indices)
-    out = _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+    out = _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, None,
                                   sm_scale=float(sm_scale), sliding_window=sliding_window,
                                   soft_cap=None if soft_cap is None else float(soft_cap),
                                   block_sizes=block_sizes, interpret=interpret)
@@ -616,3 +689,49 @@ def write_qkv(
     q, pool = _write_qkv(kv_pages, qkv, rope, kv_lens, page_indices, cu_q_lens, num_seqs,
                          block_sizes=block_sizes, interpret=interpret)
     return q.reshape(T, K * (R2 - 2), H), pool
+
+
+def write_qkv_attention(
+    kv_pages: jax.Array,  # [P, G, 2K, H]
+    qkv: jax.Array,  # [T, K, R + 2, H]: per KV head, its R query heads, then its k, then its v
+    cos: jax.Array,  # f32[T, H/2]
+    sin: jax.Array,  # f32[T, H/2]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P_max]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, K * R, H] qkv.dtype, kv_pages)
+    """write_qkv then ragged_paged_attention in one launch, for steps whose sequences have at most
+    one token each (decode; the caller guarantees it: the engine's decode bursts). Each program
+    RoPEs its query rows and its KV heads' new k from the merged projection, takes the token's own
+    key from there (the pages hold the ones before it, so no program reads what another writes)
+    and, in split 0, writes k and v to the token's page slot (in place when kv_pages is donated).
+    Same result as the two calls; the write kernel's launch is gone (~2.8 us a layer at 256
+    sequences of llama3_2_1b on an H100, docs/kernels/ragged_paged_attention.md).
+
+    interpret: True runs the kernel body as jnp on the host (CPU tests)."""
+    P, G, K2, H = kv_pages.shape
+    if qkv.ndim != 4 or qkv.shape[1] * 2 != K2 or qkv.shape[3] != H or qkv.shape[2] < 3:
+        raise ValueError(f"qkv {qkv.shape} must be [T, K, R + 2, H] = [T, {K2 // 2}, R + 2, {H}] with R >= 1 "
+                         f"for kv_pages {kv_pages.shape}")
+    T, K, R2, _ = qkv.shape
+    if cos.shape != (T, H // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
+    q_shape = jax.ShapeDtypeStruct((T, K * (R2 - 2), H), qkv.dtype)
+    validate_inputs(q_shape, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+    if block_sizes is None:
+        block_sizes = default_block_sizes(q_shape, kv_pages, page_indices)
+    o, pool = _ragged_paged_attention(qkv, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                      (cos.astype(jnp.float32), sin.astype(jnp.float32)),
+                                      sm_scale=float(sm_scale), sliding_window=sliding_window,
+                                      soft_cap=None if soft_cap is None else float(soft_cap),
+                                      block_sizes=block_sizes, interpret=interpret)
+    return o.astype(qkv.dtype), pool
+

@@ -32,6 +32,10 @@ def test_greedy_identical_cpu_reference_and_gpu_kernels(case, tmp_path):
     ref, got = greedy_generate(cpu, prompt, 32), greedy_generate(gpu, prompt, 32)
     assert got.tokens == ref.tokens
     np.testing.assert_allclose(got.prompt_logits, ref.prompt_logits, atol=1e-4, rtol=1e-4)
+    # decode steps with the KV write inside the attention kernel (what decode bursts run)
+    fused = greedy_generate(gpu, prompt, 32, decode_only=True)
+    assert fused.tokens == ref.tokens
+    np.testing.assert_allclose(fused.step_logits, got.step_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_gpu_kernels_no_less_accurate_than_cpu_reference(tmp_path):

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import (
     BlockSizes, gpu, ragged_paged_attention, ref_cost_estimate, ref_ragged_paged_attention,
-    ref_write_kv_pages, tpu, validate_inputs)
+    ref_write_kv_pages, ref_write_qkv, tpu, validate_inputs)
 from tests.tolerances import tol
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -429,6 +429,80 @@ def test_write_then_attend_matches_dense_attention():
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
 
 
+# ---- write_qkv_attention: the decode step's KV write inside the attention ---------------------------
+
+def _decode_batch(shape: Shape) -> Batch:
+    G = shape.G
+    return Batch((1, 1, 1, 1), (1, G, G + 1, min(shape.P_max * G, 2 * G + 1)))
+
+
+FUSED_CASES = {  # (shape, KV heads a program, splits)
+    "base": (BASE, 1, 1), "base_splits": (BASE, 2, 2), "gqa1_h64": (SHAPES["gqa1_h64"], 2, 1),
+    "gqa3": (SHAPES["gqa3"], 4, 2), "gqa16_page128": (SHAPES["gqa16_page128"], 1, 1),
+    "sliding_window": (SHAPES["sliding_window"], 1, 2), "window_cap_page64": (SHAPES["window_cap_page64"], 1, 1),
+}
+
+
+def _fused_inputs(shape: Shape, dtype, seed: int, batch: Batch | None = None):
+    """(kv, qkv, cos, sin, meta, n_real) of a decode batch, each token's own slot NaN before the
+    call (the kernel takes that key from the projection, never from the pages); and what
+    ref_write_qkv then the reference attention give: (want_o f32, want_pool)."""
+    batch = batch or _decode_batch(shape)
+    (_, kv, *meta), n = make_inputs(shape, batch, dtype, seed=seed)
+    kv = np.array(kv.astype(jnp.float32))
+    pages = np.asarray(meta[1])
+    for s, kv_len in enumerate(batch.kv_lens):
+        kv[pages[s, (kv_len - 1) // shape.G], (kv_len - 1) % shape.G] = np.nan
+    kv = jnp.asarray(kv, dtype)
+    rng = np.random.default_rng(seed)
+    K, R = shape.K, shape.N // shape.K
+    qkv = rng.standard_normal((shape.T, K, R + 2, shape.H)).astype(np.float32)
+    qkv[n:] = np.nan  # padding tokens
+    qkv = jnp.asarray(qkv, dtype)
+    ang = rng.uniform(0, 100, (shape.T, shape.H // 2)).astype(np.float32)
+    cos, sin = jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))
+    q, want_pool = ref_write_qkv(kv, qkv, cos, sin, *meta)
+    want = np.asarray(ref_ragged_paged_attention(q, want_pool, *meta, **_opts(shape)).astype(jnp.float32))
+    return (kv, qkv, cos, sin, meta, n), (want, want_pool)
+
+
+def _check_fused(shape: Shape, dtype, got, inputs, wants):
+    (kv, qkv, _, _, _, n), (want, want_pool) = inputs, wants
+    o, pool = got
+    assert o.shape == want.shape and o.dtype == qkv.dtype and pool.shape == kv.shape and pool.dtype == kv.dtype
+    o = np.asarray(o.astype(jnp.float32))
+    np.testing.assert_array_equal(o[n:], 0.0, err_msg="padding tokens' outputs must be zero")
+    atol, rtol = tol(dtype)
+    np.testing.assert_allclose(o[:n], want[:n], atol=atol, rtol=rtol)
+    np.testing.assert_allclose(np.asarray(pool.astype(jnp.float32)), np.asarray(want_pool.astype(jnp.float32)),
+                               atol=atol, rtol=rtol)  # NaN where the reference has NaN: untouched slots
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gpu_write_qkv_attention_is_write_then_attend(case, dtype):
+    """The fused decode kernel against ref_write_qkv then the reference attention: the outputs, and
+    the pool (the tokens' k and v written, nothing else touched)."""
+    shape, kh, splits = FUSED_CASES[case]
+    inputs, wants = _fused_inputs(shape, dtype, zlib.crc32(case.encode()))
+    kv, qkv, cos, sin, meta, _ = inputs
+    bs = dataclasses.replace(gpu_test_blocks(shape, splits), q_tokens_per_block=1, kv_heads_per_block=kh)
+    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs, interpret=True)
+    _check_fused(shape, dtype, got, inputs, wants)
+
+
+def test_gpu_write_qkv_attention_default_blocks_and_bad_shapes():
+    shape = SHAPES["kv_head_blocks"]  # 16 KV heads of 64: the defaults take several a program
+    inputs, wants = _fused_inputs(shape, jnp.bfloat16, 11)
+    kv, qkv, cos, sin, meta, _ = inputs
+    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), interpret=True)
+    _check_fused(shape, jnp.bfloat16, got, inputs, wants)
+    with pytest.raises(ValueError, match="must be \\[T, K, R \\+ 2, H\\]"):
+        gpu.write_qkv_attention(kv, qkv[:, :, :2], cos, sin, *meta, **_opts(shape), interpret=True)
+    with pytest.raises(ValueError, match="cos"):
+        gpu.write_qkv_attention(kv, qkv, cos[:-1], sin, *meta, **_opts(shape), interpret=True)
+
+
 # ---- validation -----------------------------------------------------------------------------------
 
 def _valid_args():
@@ -559,6 +633,22 @@ def test_gpu_kernel_on_device(case, dtype, splits):
         out = np.asarray(out.astype(jnp.float32))
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out[:n_real], ref[:n_real], *tol(dtype)[::-1])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", ["decode_32x_page16", "decode_256x_h64"])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_gpu_write_qkv_attention_on_device(case, splits):
+    shape, batch = GPU_CASES[case]
+    for seed in (0, 1):  # fresh inputs: a race shows as a moving error
+        inputs, wants = _fused_inputs(shape, jnp.bfloat16, seed, batch)
+        kv, qkv, cos, sin, meta, _ = inputs
+        q_shape = jax.ShapeDtypeStruct((shape.T, shape.N, shape.H), qkv.dtype)
+        bs = None if splits is None else dataclasses.replace(gpu.default_block_sizes(q_shape, kv, meta[1]),
+                                                              kv_splits=splits)
+        got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs)
+        _check_fused(shape, jnp.bfloat16, got, inputs, wants)
 
 
 @pytest.mark.gpu

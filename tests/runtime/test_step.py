@@ -258,7 +258,8 @@ def test_burst_feeds_each_step_its_tokens_and_stops_at_the_page_table_end():
     and the token step j - 1 sampled; padding slots keep kv_len 0."""
     G, P, K = 4, 3, 5  # a 12-position table; the sequence starts at position 9
 
-    def forward(params, tokens, positions, kv_pages, attn, logits_indices):
+    def forward(params, tokens, positions, kv_pages, attn, logits_indices, decode_only=False):
+        assert decode_only, "a burst's steps are decode only: the model may write K/V inside its attention"
         code = positions * 10_000 + attn.kv_lens[: tokens.shape[0]] * 100 + tokens % 100
         return jax.nn.one_hot(code[logits_indices], 200_000), kv_pages
 
@@ -292,7 +293,7 @@ def test_burst_counts_its_own_tokens_for_penalties_and_lifts_bans_where_met():
     S, V, K = 2, 16, 5
     ranked = jnp.asarray(0.1 * (V - np.arange(V)), jnp.float32)  # a spread of 1.6 < the penalty
 
-    def forward(params, tokens, positions, kv_pages, attn, logits_indices):
+    def forward(params, tokens, positions, kv_pages, attn, logits_indices, decode_only=False):
         return jnp.broadcast_to(ranked, (logits_indices.shape[0], V)), kv_pages
 
     layout, flat = decode_batch(2, tokens=[-2, 3], positions=[4, 3], kv_lens=[5, 4], num_seqs=S)

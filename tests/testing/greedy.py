@@ -31,7 +31,10 @@ def greedy_generate(
     *,
     page_size: int = 16,
     stop_token: int | None = None,
+    decode_only: bool = False,
 ) -> GreedyResult:
+    """decode_only: the one-token steps tell the model so (forward's decode_only, as the engine's
+    decode bursts do)."""
     cfg = loaded.config
     T = len(prompt)
     if T == 0 or max_new_tokens < 1:
@@ -42,6 +45,7 @@ def greedy_generate(
     kv = init_kv_pages(cfg, num_pages, page_size, loaded.dtype, kv_repeat=loaded.kv_repeat,
                        sharding=kv_cache_sharding(cfg, loaded.mesh), fill=float("nan"))
     step = jax.jit(loaded.forward, donate_argnums=(3,))
+    decode = jax.jit(partial(loaded.forward, decode_only=decode_only), donate_argnums=(3,))
     meta = partial(AttentionMetadata.build, page_tables=[pages], pages_per_seq=num_pages)
 
     logits, kv = step(loaded.params, jnp.asarray(prompt, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv,
@@ -55,8 +59,8 @@ def greedy_generate(
         step_logits.append(last)
         if tok == stop_token or pos == T + max_new_tokens - 1:
             break
-        logits, kv = step(loaded.params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), kv,
-                          meta([pos + 1], [1]))
+        logits, kv = decode(loaded.params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), kv,
+                            meta([pos + 1], [1]))
         last = np.asarray(logits[0], np.float32)
     return GreedyResult(tokens, prompt_logits, np.stack(step_logits))
 
