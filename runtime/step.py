@@ -163,7 +163,9 @@ def make_burst_fn(forward: Callable) -> Callable:
     feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j (its
     pages cover the whole burst; both stop at the end of the page table), and samples with the
     rows of step j (`advance_rows`: positions + j, min_tokens bans lifted where met), so each
-    token is what a single step at that position would give: the same model program body and, per
+    token is what a single step at that position would give: the same model program body (called
+    with decode_only=True: on a GPU the KV write then runs inside the attention launch, which sums
+    the token's own key in another order, equal up to rounding) and, per
     `sampler` (one of BURST_SAMPLERS), the same tokens as `greedy` or the pick program; GREEDY_HEAD
     takes the forward's own argmax (forward(..., greedy=True)), for rows with nothing banned. With
     `penalties`, `counts` are the penalize program's input for the first step (the count programs'
