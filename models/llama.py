@@ -88,11 +88,17 @@ class Attention(nnx.Module):
 
     def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
-            # RoPE, the KV write and the attention from the merged projection: on GPU the attention
-            # RoPEs q itself, and decode-only steps write K/V there too (one launch)
-            return dispatch.write_qkv_attention(
-                kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5, decode_only=decode_only,
-                sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
+            if decode_only:  # RoPE, the KV write and the attention: one launch on GPU
+                return dispatch.write_qkv_attention(
+                    kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5,
+                    sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
+            # RoPE, the KV write and q's split out of the merged projection: one launch on GPU.
+            q, kv_pages = dispatch.write_qkv(kv_pages, qkv, cos, sin, *meta, implementation=self.attn_impl)
+            o = dispatch.ragged_paged_attention(
+                q, kv_pages, *meta, sm_scale=self.cfg.head_dim**-0.5, sliding_window=self.cfg.sliding_window,
+                implementation=self.attn_impl,
+            )
+            return o, kv_pages
 
         if self.head_mesh is not None:
             run = shard_over_heads(run, self.head_mesh)

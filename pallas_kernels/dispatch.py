@@ -74,20 +74,18 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
 
 
 def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                        decode_only: bool = False, sliding_window=None, soft_cap=None, implementation: str = "auto"):
-    """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages): a decoder layer's
-    attention from its merged QKV projection. decode_only: the caller guarantees every sequence has
-    at most one token in the step (the engine's decode bursts).
+                        sliding_window=None, soft_cap=None, implementation: str = "auto"):
+    """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages), for a step whose
+    sequences have at most one token each (decode; the caller guarantees it).
 
-    implementation: as write_qkv's. "gpu" -> the Triton kernels RoPE q inside the attention (no q
-    written and read back) and, with decode_only, write K/V there too: one launch
-    (ragged_paged_attention/gpu.py, write_qkv_attention); "tpu" and "reference" -> the two calls."""
+    implementation: as write_qkv's. "gpu" -> one Pallas Triton launch that takes each token's own
+    key from the projection and writes it (ragged_paged_attention/gpu.py, write_qkv_attention);
+    "tpu" and "reference" -> the two calls."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
     if implementation == "gpu":
         return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                            sm_scale=sm_scale, decode_only=decode_only,
-                                            sliding_window=sliding_window, soft_cap=soft_cap)
+                                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                             implementation=implementation)
     return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,

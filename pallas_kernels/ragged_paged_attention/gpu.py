@@ -158,7 +158,7 @@ def _kernel(
     page_indices_ref,  # i32[S * P_max]
     cu_q_lens_ref,  # i32[S + 1]
     num_seqs_ref,  # i32[1]
-    q_ref,  # [T * N, H]; with rope_q, the merged projection's rows [T * K * (R + 2), H]
+    q_ref,  # [T * N, H]; with decode_write, the merged projection's rows [T * K * (R + 2), H]
     kv_ref,  # [P * G * 2K, H]
     *refs,  # (cos, sin f32[T, H/2])? o, (lse,)?, (pool out, aliased to kv_ref)?
     sm_scale: float,
@@ -174,15 +174,12 @@ def _kernel(
     kv_block: int,
     kv_splits: int,
     unmasked_full_blocks: bool,
-    rope_q: bool,
     decode_write: bool,
 ):
     # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
     # (f32[kv_splits, T * N] log2-sum-exp2 per row,)
-    if rope_q:
-        cos_ref, sin_ref, *refs = refs
     if decode_write:
-        *refs, kv_out_ref = refs
+        cos_ref, sin_ref, *refs, kv_out_ref = refs
     o_ref, *lse_refs = refs
     i, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_per_kv = num_heads // num_kv_heads
@@ -237,10 +234,10 @@ def _kernel(
         # Index arrays on every axis: interpret mode cannot mix gathers with slices.
         H = kv_ref.shape[1]
         cols = jnp.arange(H, dtype=jnp.int32)[None, :]
-        if rope_q:
-            # The row's query head (and its KV head's k and v) in the merged projection's rows; RoPE
-            # as write_qkv applies it, rounded to the projection's dtype. With decode_write, k and v
-            # of the token's own position are kept for the softmax's first term and the write below.
+        if decode_write:
+            # The row's query head, its KV head's k and v in the merged projection's rows; RoPE on q
+            # and k as write_qkv applies it (rounded to the projection's dtype), k and v of the
+            # token's own position kept for the softmax's first term and the write below.
             group = (tok * num_kv_heads + row_head) * (q_per_kv + 2)
             c = jnp.arange(H, dtype=jnp.int32)
             partner = jnp.where(c < H // 2, c + H // 2, c - H // 2)[None, :]
@@ -255,10 +252,9 @@ def _kernel(
                 return (x * cos + sign * xp * sin).astype(q_ref.dtype).astype(kv_ref.dtype)
 
             q = rope(group + lax.rem(r, q_per_kv))
-            if decode_write:
-                k_new = rope(group + q_per_kv)
-                v_new = plgpu.load(q_ref.at[group[:, None] + q_per_kv + 1, cols], mask=row_ok[:, None],
-                                   other=0.0).astype(kv_ref.dtype)
+            k_new = rope(group + q_per_kv)
+            v_new = plgpu.load(q_ref.at[group[:, None] + q_per_kv + 1, cols], mask=row_ok[:, None],
+                               other=0.0).astype(kv_ref.dtype)
         else:
             q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
 
@@ -372,13 +368,12 @@ def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes",
-                                             "interpret", "decode_write"))
+                                             "interpret"))
 def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, rope, *, sm_scale,
-                            sliding_window, soft_cap, block_sizes, interpret, decode_write=False):
+                            sliding_window, soft_cap, block_sizes, interpret):
     """The launch and, with splits, the merge: o [T, N, H]. With `rope` (cos, sin), q is the merged
-    projection [T, K, R + 2, H], whose query rows the kernel RoPEs; with decode_write too, the
-    step's sequences have at most one token each and the result is (o, kv_pages with those
-    tokens' k and v written). Both: write_qkv_attention."""
+    projection [T, K, R + 2, H] of a step whose sequences have at most one token each, and the
+    result is (o, kv_pages with those tokens' k and v written): write_qkv_attention."""
     P, G, K2, H = kv_pages.shape
     K = K2 // 2
     S, P_max = page_indices.shape
@@ -404,14 +399,13 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     aliases = {}
     if rope is not None:
         inputs += list(rope)
-    if decode_write:
         aliases = {7: len(out_shape)}  # the pool, updated in place
         out_shape.append(jax.ShapeDtypeStruct((P * G * K2, H), kv_pages.dtype))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
-        kv_block=bkv, kv_splits=splits, rope_q=rope is not None, decode_write=decode_write,
-        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and not decode_write)
+        kv_block=bkv, kv_splits=splits, decode_write=rope is not None,
+        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
@@ -431,7 +425,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     else:
         o = outs[0]  # padding rows zeroed by the unused items
     o = o.reshape(T, N, H)
-    return (o, outs[-1].reshape(P, G, K2, H)) if decode_write else o
+    return o if rope is None else (o, outs[-1].reshape(P, G, K2, H))
 
 
 def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
@@ -538,10 +532,9 @@ def default_write_block_sizes(num_rows: int, head_dim: int) -> WriteBlockSizes:
 
 def _write_kernel(
     slots_ref,  # i32[T] flat slot per token; P * G for padding
-    new_ref,  # [T * K * (skip + R + 2), H]: per token, per KV head: skip + R query rows, then K, then V
+    new_ref,  # [T * K * (R + 2), H]: per token, per KV head: R query rows, then K, then V
     *refs,  # (cos f32[T, H/2], sin f32[T, H/2])?, pool (aliased), (q out [T * K * R, H])?, pool out
     q_rows_per_group: int,
-    skip_rows: int,  # query rows of each group left alone (the attention RoPEs them itself)
     num_groups: int,
     num_slots: int,
     block_rows: int,
@@ -553,11 +546,10 @@ def _write_kernel(
     _, *outs = refs  # the aliased pool input is the output's buffer
     q_ref, kv_ref = outs if R else (None, outs[0])
     r = jnp.arange(block_rows, dtype=jnp.int32)
-    n = pl.program_id(0) * block_rows + r  # handled row n: (token, group) n // (R + 2), row n % (R + 2)
-    row_ok = n < new_ref.shape[0] // (skip_rows + R + 2) * (R + 2)
+    n = pl.program_id(0) * block_rows + r  # row n of new: (token, group) n // (R + 2), row n % (R + 2)
+    row_ok = n < new_ref.shape[0]
     tg = lax.div(n, R + 2)
     j = n - tg * (R + 2)
-    src = tg * (skip_rows + R + 2) + skip_rows + j  # its row of new
     t = lax.div(tg, num_groups)
     slot = plgpu.load(slots_ref.at[t], mask=row_ok, other=num_slots)
     kv_ok = row_ok & (j >= R) & (slot >= 0) & (slot < num_slots)
@@ -568,14 +560,14 @@ def _write_kernel(
     H = new_ref.shape[1]
     if rope:  # half-split RoPE in f32 on q and k rows (reference.rope); v rows pass through
         half = jnp.arange(H // 2, dtype=jnp.int32)[None, :]
-        x1, x2 = (plgpu.load(new_ref.at[src[:, None], c], mask=row_ok[:, None], other=0.0).astype(jnp.float32)
+        x1, x2 = (plgpu.load(new_ref.at[n[:, None], c], mask=row_ok[:, None], other=0.0).astype(jnp.float32)
                   for c in (half, half + H // 2))
         c, s = (plgpu.load(ref.at[t[:, None], half], mask=row_ok[:, None], other=0.0) for ref in (cos_ref, sin_ref))
         turn = (j <= R)[:, None]
         parts = [(half, jnp.where(turn, x1 * c - x2 * s, x1)), (half + H // 2, jnp.where(turn, x2 * c + x1 * s, x2))]
     else:
         cols = jnp.arange(H, dtype=jnp.int32)[None, :]
-        parts = [(cols, plgpu.load(new_ref.at[src[:, None], cols], mask=row_ok[:, None], other=0.0))]
+        parts = [(cols, plgpu.load(new_ref.at[n[:, None], cols], mask=row_ok[:, None], other=0.0))]
     if R:
         q_ok = row_ok & (j < R)
         q_dst = jnp.where(q_ok, tg * R + j, q_ref.shape[0] + r)
@@ -595,20 +587,19 @@ def _write_groups(
     num_slots: int,
     block_sizes: WriteBlockSizes | None,
     interpret: bool,
-    q_out: bool = True,
-) -> tuple[jax.Array | None, jax.Array]:  # (q [T * K * R, H] or None when R = 0 or not q_out, pool)
+) -> tuple[jax.Array | None, jax.Array]:  # (q [T * K * R, H] or None when R = 0, pool)
     """The launch: token t's k and v of KV head g go to rows slots[t] * 2K + 2g (+ 1), only for
     slots in [0, num_slots) (tests pass num_slots below the pool's to see that nothing else is);
-    its query rows, if any and q_out, to q (without q_out they are not even read). One pass over the merged QKV rows, so XLA materialises neither
+    its query rows, if any, to q. One pass over the merged QKV rows, so XLA materialises neither
     the RoPE'd q nor the interleaved k/v (two kernels a layer fewer than XLA's RoPE + this write on
     an H200, 1B at batch 1)."""
     T, K, R2, H = new.shape
-    R, skip = (R2 - 2, 0) if q_out else (0, R2 - 2)
-    n = T * K * (R + 2)  # rows handled
+    R = R2 - 2
+    n = T * K * R2
     bs = block_sizes or default_write_block_sizes(n, H)
-    kernel = functools.partial(_write_kernel, q_rows_per_group=R, skip_rows=skip, num_groups=K,
-                               num_slots=num_slots, block_rows=bs.rows_per_block, rope=rope is not None)
-    inputs = [slots, new.reshape(T * K * R2, H), *(rope or ()), rows]
+    kernel = functools.partial(_write_kernel, q_rows_per_group=R, num_groups=K, num_slots=num_slots,
+                               block_rows=bs.rows_per_block, rope=rope is not None)
+    inputs = [slots, new.reshape(n, H), *(rope or ()), rows]
     out_shape = ([jax.ShapeDtypeStruct((T * K * R, H), new.dtype)] if R else []) + [
         jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -620,20 +611,19 @@ def _write_groups(
         out_shape=out_shape,
         input_output_aliases={len(inputs) - 1: len(out_shape) - 1},
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
-        cost_estimate=write_kv_cost_estimate(rows, new if q_out else jax.ShapeDtypeStruct((T, K, 2, H), new.dtype)),
+        cost_estimate=write_kv_cost_estimate(rows, new),
         interpret=interpret,
         name="write_kv_pages_gpu",
     )(*inputs)
     return (outs[0] if R else None), outs[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "q_out"))
-def _write_qkv(kv_pages, new, rope, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_sizes, interpret,
-               q_out=True):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _write_qkv(kv_pages, new, rope, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_sizes, interpret):
     P, G, K2, H = kv_pages.shape
     slots = kv_write_slots(kv_lens, page_indices, cu_q_lens, num_seqs, new.shape[0], page_size=G, num_slots=P * G)
     q, rows = _write_groups(kv_pages.reshape(P * G * K2, H), new, slots, rope, num_slots=P * G,
-                            block_sizes=block_sizes, interpret=interpret, q_out=q_out)
+                            block_sizes=block_sizes, interpret=interpret)
     return q, rows.reshape(P, G, K2, H)
 
 
@@ -712,21 +702,17 @@ def write_qkv_attention(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    decode_only: bool,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, K * R, H] qkv.dtype, kv_pages)
-    """write_qkv then ragged_paged_attention (same result up to rounding), the attention RoPE-ing
-    its query rows from the merged projection itself, so no RoPE'd q is written and read back.
-
-    decode_only=False (any step): the write kernel stores k and v only (the q rows are not read),
-    then the attention. decode_only=True (the caller guarantees every sequence has at most one
-    token: the engine's decode bursts): one launch; each program also RoPEs its KV heads' new k,
-    takes the token's own key from the projection (the pages hold the ones before it, so no
-    program reads what another writes) and, in split 0, writes k and v to the token's page slot
-    (in place when kv_pages is donated): the write kernel's launch is gone (~2.8 us a layer at 256
+    """write_qkv then ragged_paged_attention in one launch, for steps whose sequences have at most
+    one token each (decode; the caller guarantees it: the engine's decode bursts). Each program
+    RoPEs its query rows and its KV heads' new k from the merged projection, takes the token's own
+    key from there (the pages hold the ones before it, so no program reads what another writes)
+    and, in split 0, writes k and v to the token's page slot (in place when kv_pages is donated).
+    Same result as the two calls; the write kernel's launch is gone (~2.8 us a layer at 256
     sequences of llama3_2_1b on an H100, docs/kernels/ragged_paged_attention.md).
 
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
@@ -742,12 +728,10 @@ def write_qkv_attention(
                     sliding_window=sliding_window, soft_cap=soft_cap)
     if block_sizes is None:
         block_sizes = default_block_sizes(q_shape, kv_pages, page_indices)
-    meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
-    rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
-    if not decode_only:
-        kv_pages = _write_qkv(kv_pages, qkv, rope, *meta, block_sizes=None, interpret=interpret, q_out=False)[1]
-    out = _ragged_paged_attention(qkv, kv_pages, *meta, rope, sm_scale=float(sm_scale),
-                                  sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-                                  block_sizes=block_sizes, interpret=interpret, decode_write=decode_only)
-    o, kv_pages = out if decode_only else (out, kv_pages)
-    return o.astype(qkv.dtype), kv_pages
+    o, pool = _ragged_paged_attention(qkv, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                      (cos.astype(jnp.float32), sin.astype(jnp.float32)),
+                                      sm_scale=float(sm_scale), sliding_window=sliding_window,
+                                      soft_cap=None if soft_cap is None else float(soft_cap),
+                                      block_sizes=block_sizes, interpret=interpret)
+    return o.astype(qkv.dtype), pool
+

@@ -444,17 +444,15 @@ FUSED_CASES = {  # (shape, KV heads a program, splits)
 
 
 def _fused_inputs(shape: Shape, dtype, seed: int, batch: Batch | None = None):
-    """(kv, qkv, cos, sin, meta, n_real) of a batch (default: a decode batch), the slots of the
-    step's tokens NaN before the call (the decode kernel takes each token's own key from the
-    projection, never from the pages; the other path writes them first); and what ref_write_qkv
-    then the reference attention give: (want_o f32, want_pool)."""
+    """(kv, qkv, cos, sin, meta, n_real) of a decode batch, each token's own slot NaN before the
+    call (the kernel takes that key from the projection, never from the pages); and what
+    ref_write_qkv then the reference attention give: (want_o f32, want_pool)."""
     batch = batch or _decode_batch(shape)
     (_, kv, *meta), n = make_inputs(shape, batch, dtype, seed=seed)
     kv = np.array(kv.astype(jnp.float32))
     pages = np.asarray(meta[1])
-    for s, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
-        for pos in range(kv_len - q_len, kv_len):
-            kv[pages[s, pos // shape.G], pos % shape.G] = np.nan
+    for s, kv_len in enumerate(batch.kv_lens):
+        kv[pages[s, (kv_len - 1) // shape.G], (kv_len - 1) % shape.G] = np.nan
     kv = jnp.asarray(kv, dtype)
     rng = np.random.default_rng(seed)
     K, R = shape.K, shape.N // shape.K
@@ -489,23 +487,7 @@ def test_gpu_write_qkv_attention_is_write_then_attend(case, dtype):
     inputs, wants = _fused_inputs(shape, dtype, zlib.crc32(case.encode()))
     kv, qkv, cos, sin, meta, _ = inputs
     bs = dataclasses.replace(gpu_test_blocks(shape, splits), q_tokens_per_block=1, kv_heads_per_block=kh)
-    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), decode_only=True, block_sizes=bs,
-                                  interpret=True)
-    _check_fused(shape, dtype, got, inputs, wants)
-
-
-@pytest.mark.parametrize("case", ["mixed", "prefill_only", "page_boundary", "empty_q_seq", "gqa3", "sliding_window",
-                                  "window_cap_page64"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_gpu_write_qkv_attention_any_step(case, dtype):
-    """decode_only=False on mixed and prefill batches: the write kernel stores k and v only (no q
-    rows out), the attention RoPEs q from the projection itself; as write_qkv then attention."""
-    shape, batch = CASES[case]
-    splits = 1 + zlib.crc32(case.encode()) % 2
-    inputs, wants = _fused_inputs(shape, dtype, zlib.crc32(case.encode()), batch)
-    kv, qkv, cos, sin, meta, _ = inputs
-    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), decode_only=False,
-                                  block_sizes=gpu_test_blocks(shape, splits), interpret=True)
+    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs, interpret=True)
     _check_fused(shape, dtype, got, inputs, wants)
 
 
@@ -513,13 +495,12 @@ def test_gpu_write_qkv_attention_default_blocks_and_bad_shapes():
     shape = SHAPES["kv_head_blocks"]  # 16 KV heads of 64: the defaults take several a program
     inputs, wants = _fused_inputs(shape, jnp.bfloat16, 11)
     kv, qkv, cos, sin, meta, _ = inputs
-    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), decode_only=True, interpret=True)
+    got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), interpret=True)
     _check_fused(shape, jnp.bfloat16, got, inputs, wants)
     with pytest.raises(ValueError, match="must be \\[T, K, R \\+ 2, H\\]"):
-        gpu.write_qkv_attention(kv, qkv[:, :, :2], cos, sin, *meta, **_opts(shape), decode_only=True,
-                                interpret=True)
+        gpu.write_qkv_attention(kv, qkv[:, :, :2], cos, sin, *meta, **_opts(shape), interpret=True)
     with pytest.raises(ValueError, match="cos"):
-        gpu.write_qkv_attention(kv, qkv, cos[:-1], sin, *meta, **_opts(shape), decode_only=False, interpret=True)
+        gpu.write_qkv_attention(kv, qkv, cos[:-1], sin, *meta, **_opts(shape), interpret=True)
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -666,7 +647,7 @@ def test_gpu_write_qkv_attention_on_device(case, splits):
         q_shape = jax.ShapeDtypeStruct((shape.T, shape.N, shape.H), qkv.dtype)
         bs = None if splits is None else dataclasses.replace(gpu.default_block_sizes(q_shape, kv, meta[1]),
                                                               kv_splits=splits)
-        got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), decode_only=True, block_sizes=bs)
+        got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs)
         _check_fused(shape, jnp.bfloat16, got, inputs, wants)
 
 
