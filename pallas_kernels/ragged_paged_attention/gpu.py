@@ -660,6 +660,20 @@ def write_kv_pages(
                       block_sizes=block_sizes, interpret=interpret)[1]
 
 
+def _check_qkv(kv_pages, qkv, cos, sin) -> tuple[int, int, int, int]:
+    """(T, K, R + 2, H) of a merged projection qkv [T, K, R + 2, H] that fits kv_pages, with RoPE
+    tables cos, sin [T, H/2]; ValueError naming what does not fit."""
+    K2, H = kv_pages.shape[2:]
+    if qkv.ndim != 4 or qkv.shape[1] * 2 != K2 or qkv.shape[3] != H or qkv.shape[2] < 3:
+        raise ValueError(f"qkv {qkv.shape} must be [T, K, R + 2, H] = [T, {K2 // 2}, R + 2, {H}] with R >= 1 "
+                         f"for kv_pages {kv_pages.shape}")
+    _check_head_dim(H)
+    T = qkv.shape[0]
+    if cos.shape != (T, H // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
+    return qkv.shape
+
+
 def write_qkv(
     kv_pages: jax.Array,  # [P, G, 2K, H]
     qkv: jax.Array,  # [T, K, R + 2, H]: per KV head, its R query heads, then its k, then its v
@@ -675,14 +689,7 @@ def write_qkv(
 ) -> tuple[jax.Array, jax.Array]:  # (q [T, K * R, H] qkv.dtype, kv_pages)
     """Pallas Triton kernel; same contract as reference.ref_write_qkv: RoPE on q and k, k and v
     written to their page slots (in place when kv_pages is donated), q returned, in one launch."""
-    P, G, K2, H = kv_pages.shape
-    if qkv.ndim != 4 or qkv.shape[1] * 2 != K2 or qkv.shape[3] != H or qkv.shape[2] < 3:
-        raise ValueError(f"qkv {qkv.shape} must be [T, K, R + 2, H] = [T, {K2 // 2}, R + 2, {H}] with R >= 1 "
-                         f"for kv_pages {kv_pages.shape}")
-    _check_head_dim(H)
-    T, K, R2, _ = qkv.shape
-    if cos.shape != (T, H // 2) or sin.shape != cos.shape:
-        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
+    T, K, R2, H = _check_qkv(kv_pages, qkv, cos, sin)
     if T == 0:
         return split_qkv(qkv)[0], kv_pages
     rope = (cos.astype(jnp.float32), sin.astype(jnp.float32))
@@ -716,13 +723,7 @@ def write_qkv_attention(
     sequences of llama3_2_1b on an H100, docs/kernels/ragged_paged_attention.md).
 
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
-    P, G, K2, H = kv_pages.shape
-    if qkv.ndim != 4 or qkv.shape[1] * 2 != K2 or qkv.shape[3] != H or qkv.shape[2] < 3:
-        raise ValueError(f"qkv {qkv.shape} must be [T, K, R + 2, H] = [T, {K2 // 2}, R + 2, {H}] with R >= 1 "
-                         f"for kv_pages {kv_pages.shape}")
-    T, K, R2, _ = qkv.shape
-    if cos.shape != (T, H // 2) or sin.shape != cos.shape:
-        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must both be [T, H/2] = [{T}, {H // 2}]")
+    T, K, R2, H = _check_qkv(kv_pages, qkv, cos, sin)
     q_shape = jax.ShapeDtypeStruct((T, K * (R2 - 2), H), qkv.dtype)
     validate_inputs(q_shape, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
