@@ -26,6 +26,10 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
 Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
 default is TF32, ~1e-3 relative error).
 
+`write_qkv_attention` runs both for decode steps (at most one token a sequence: the engine's decode
+bursts) in one launch: the attention RoPEs q and the token's own k from the projection, reads only
+the keys before it from the pages, and writes k and v (split 0).
+
 `write_qkv` is the step's KV write, from the merged QKV projection: the same contract as
 reference.ref_write_qkv, in place (the pool is aliased to the output). Grid over blocks of the
 [T * K * (R + 2), H] rows; each program RoPEs its query and k rows, copies k and v to rows
@@ -243,8 +247,8 @@ def _kernel(
             partner = jnp.where(c < H // 2, c + H // 2, c - H // 2)[None, :]
             sign = jnp.where(c < H // 2, -1.0, 1.0)[None, :]
             freq = lax.rem(c, H // 2)[None, :]
-            rot = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0) for ref in (cos_ref, sin_ref))
-            cos, sin = rot
+            cos, sin = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0)
+                        for ref in (cos_ref, sin_ref))
 
             def rope(src):
                 x, xp = (plgpu.load(q_ref.at[src[:, None], cc], mask=row_ok[:, None], other=0.0).astype(f32)
@@ -719,7 +723,8 @@ def write_qkv_attention(
     RoPEs its query rows and its KV heads' new k from the merged projection, takes the token's own
     key from there (the pages hold the ones before it, so no program reads what another writes)
     and, in split 0, writes k and v to the token's page slot (in place when kv_pages is donated).
-    Same result as the two calls; the write kernel's launch is gone (~2.8 us a layer at 256
+    The result equals the two calls' up to rounding (the own key's term is summed in f32, outside
+    the PV matmul); the write kernel's launch is gone (~2.8 us a layer at 256
     sequences of llama3_2_1b on an H100, docs/kernels/ragged_paged_attention.md).
 
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
