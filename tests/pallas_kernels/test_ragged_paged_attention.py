@@ -491,6 +491,18 @@ def test_gpu_write_qkv_attention_is_write_then_attend(case, dtype):
     _check_fused(shape, dtype, got, inputs, wants)
 
 
+def test_gpu_write_qkv_attention_lowers_for_cuda_in_place():
+    """The fused kernel through Pallas' Triton lowering on CPU (with splits, window and soft cap), the
+    pool aliased to its output."""
+    shape = SHAPES["window_cap_page64"]
+    (kv, qkv, cos, sin, meta, _), _ = _fused_inputs(shape, jnp.bfloat16, 3)
+    for splits in (1, 2):
+        f = functools.partial(gpu.write_qkv_attention, **_opts(shape), block_sizes=gpu_test_blocks(shape, splits))
+        text = jax.jit(f, donate_argnums=0).trace(kv, qkv, cos, sin, *meta).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text and "tf.aliasing_output" in text
+
+
 def test_gpu_write_qkv_attention_default_blocks_and_bad_shapes():
     shape = SHAPES["kv_head_blocks"]  # 16 KV heads of 64: the defaults take several a program
     inputs, wants = _fused_inputs(shape, jnp.bfloat16, 11)
