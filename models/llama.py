@@ -88,17 +88,10 @@ class Attention(nnx.Module):
 
     def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
-            if decode_only:  # RoPE, the KV write and the attention: one launch on GPU
-                return dispatch.write_qkv_attention(
-                    kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5,
-                    sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
-            # RoPE, the KV write and q's split out of the merged projection: one launch on GPU.
-            q, kv_pages = dispatch.write_qkv(kv_pages, qkv, cos, sin, *meta, implementation=self.attn_impl)
-            o = dispatch.ragged_paged_attention(
-                q, kv_pages, *meta, sm_scale=self.cfg.head_dim**-0.5, sliding_window=self.cfg.sliding_window,
-                implementation=self.attn_impl,
-            )
-            return o, kv_pages
+            # RoPE, the KV write and the attention: on GPU two launches, one for decode-only steps
+            return dispatch.write_qkv_attention(
+                kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5, decode_only=decode_only,
+                sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
 
         if self.head_mesh is not None:
             run = shard_over_heads(run, self.head_mesh)
@@ -270,7 +263,7 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
     """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages);
     with greedy=True, (each logits row's argmax i32, kv_pages). decode_only=True promises that every
     sequence has at most one token in the step (the engine's decode bursts): the GPU then writes
-    K/V inside the attention kernel (dispatch.write_qkv_attention); the result is the same."""
+    K/V inside the attention kernel (dispatch.write_qkv_attention): the same result up to rounding."""
 
     def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False,
                 decode_only=False):

@@ -74,16 +74,17 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
 
 
 def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                        sliding_window=None, soft_cap=None, implementation: str = "auto"):
-    """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages), for a step whose
-    sequences have at most one token each (decode; the caller guarantees it).
+                        decode_only: bool = False, sliding_window=None, soft_cap=None, implementation: str = "auto"):
+    """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages): a decoder layer's
+    attention from its merged QKV projection. decode_only: the caller guarantees every sequence has
+    at most one token in the step (the engine's decode bursts).
 
-    implementation: as write_qkv's. "gpu" -> one Pallas Triton launch that takes each token's own
-    key from the projection and writes it (ragged_paged_attention/gpu.py, write_qkv_attention);
-    "tpu" and "reference" -> the two calls."""
+    implementation: as write_qkv's. "gpu" with decode_only -> one Pallas Triton launch that takes
+    each token's own key from the projection and writes it (ragged_paged_attention/gpu.py,
+    write_qkv_attention); otherwise the two calls (two launches on GPU)."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
-    if implementation == "gpu":
+    if implementation == "gpu" and decode_only:
         return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
