@@ -19,7 +19,10 @@ the range: on the H200 here, single runs of the same generate varied by up to a 
 keep xlaserve's prefix cache from serving a repeat's prefill.
 
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
-small bucket table (warmup compile time is reported apart), LLM's decode bursts (`--decode-steps`
+small bucket table (warmup compile time is reported apart: token buckets 256 / 4096 / 8192 and seq
+buckets 64 / 128 / 256 by default, so that the last prefill step, ~2,100 tokens, and the last decode
+burst, ~100 sequences, are not padded to a full step; docs/benchmarks.md, twenty-sixth session),
+LLM's decode bursts (`--decode-steps`
 sets EngineConfig.decode_steps; 1 turns them off), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
 step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
@@ -306,8 +309,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported, range beside it)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 8192])
-    ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 256])
+    ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 4096, 8192])
+    ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 128, 256])
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=lambda v: v if v == "model" else int(v), default=None, metavar="N|model",
                     help="EngineConfig.max_model_len (default: input + output, rounded up to a page; 'model': the "
