@@ -19,11 +19,11 @@ the range: on the H200 here, single runs of the same generate varied by up to a 
 keep xlaserve's prefix cache from serving a repeat's prefill.
 
 xlaserve: `LLM("dummy:MODEL", dtype="bfloat16", ...)` with random weights made on the device, a
-small bucket table (warmup compile time is reported apart: token buckets 256 / 4096 / 8192 and seq
-buckets 64 / 128 / 256 by default, so that the last prefill step, ~2,100 tokens, and the last decode
-burst, ~100 sequences, are not padded to a full step; docs/benchmarks.md, twenty-sixth session),
-LLM's decode bursts (`--decode-steps`
-sets EngineConfig.decode_steps; 1 turns them off), one short warm-up generate, then the
+small bucket table (warmup compile time is reported apart; by default token buckets 256 / 4096 /
+8192 and seq buckets 64 / 128 / 256, so that the default workload's last prefill step, ~2,100
+tokens, and last decode burst, ~100 sequences, are not padded to full ones: docs/benchmarks.md,
+twenty-sixth session), LLM's decode bursts (`--decode-steps` sets EngineConfig.decode_steps; 1
+turns them off), one short warm-up generate, then the
 timed `LLM.generate` of the whole workload (scheduler, chunked prefill, continuous batching, the
 step's compiled programs -- greedy: the model program alone --, detokenization skipped as there is
 no tokenizer). Full garbage collections inside each timed run are reported with their pauses.
