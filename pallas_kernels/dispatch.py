@@ -84,7 +84,7 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     write_qkv_attention); otherwise the two calls (two launches on GPU)."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
-    if implementation == "gpu" and decode_only:
+    if decode_only and decode_attention_is_fused(implementation):
         return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -92,6 +92,13 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
                                   implementation=implementation), kv_pages
+
+
+def decode_attention_is_fused(implementation: str) -> bool:
+    """Whether write_qkv_attention(..., decode_only=True) runs one launch for this (resolved)
+    attention implementation rather than write_qkv and the attention: the engine then compiles
+    decode-only model programs, which differ from the others only there."""
+    return implementation == "gpu"
 
 
 def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tuple[jax.Array, jax.Array]:

@@ -14,7 +14,10 @@ nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax i
 epilogue, the logits never written; from dispatch.GREEDY_HEAD_MIN_ROWS rows), one more burst per
 decode pair of that many sequences or more, GREEDY_HEAD, runs the bursts whose rows are all greedy
 with nothing banned, no penalties and no logprobs. And the page table update programs, one per
-PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`sync_pages`).
+PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`sync_pages`). Where the
+model's decode-only forward differs from its other one (dispatch.decode_attention_is_fused: on a
+GPU, each layer's KV write inside the attention launch), also a decode-only model program per
+decode pair, which single steps without a prefill token run (the bursts' model steps already are).
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -58,6 +61,9 @@ _BURST_VARIANTS = ((False, False), (True, False), (True, True))
 # sequence every page_size tokens, an admission its whole prompt's (a long cached prefix: thousands);
 # updates past the largest bucket run in several calls.
 PAGE_UPDATE_BUCKETS = (256, 4096, 65536)
+
+# The key of a decode-only model program (StepExecutor.decode_programs): ("model_decode", T, S).
+DECODE_MODEL = "model_decode"
 
 
 def _set_pages(table, upd):
@@ -168,12 +174,14 @@ class StepExecutor:
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
         greedy_head_min_seqs: int | None = None,  # GREEDY_HEAD bursts from this seq bucket up; None: none
+        decode_programs: bool = False,  # decode-only model programs per decode pair (dispatch.decode_attention_is_fused)
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
         self.decode_steps = decode_steps
         self.greedy_head_min_seqs = greedy_head_min_seqs
+        self.decode_programs = decode_programs
         on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
         self.strict = strict
@@ -190,7 +198,7 @@ class StepExecutor:
         self._model = jax.jit(
             model_fn,
             donate_argnums=(1,),
-            static_argnums=(6, 7),  # layout, params treedef
+            static_argnums=(6, 7, 8),  # layout, params treedef, decode_only
             in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding),
         )
@@ -231,11 +239,14 @@ class StepExecutor:
         self.warmup_seconds = 0.0
 
     def program_keys(self) -> list[tuple]:
-        """Every program of the table: the model program per (T, S) pair, the sampler programs per
-        seq bucket, then with decode_steps > 1 the burst programs per decode pair, sampler and
-        (penalties, logprobs) variant (see the module docstring), and the GREEDY_HEAD burst per
-        decode pair of at least greedy_head_min_seqs sequences."""
+        """Every program of the table: the model program per (T, S) pair (and with decode_programs
+        the decode-only one per decode pair), the sampler programs per seq bucket, then with
+        decode_steps > 1 the burst programs per decode pair, sampler and (penalties, logprobs)
+        variant (see the module docstring), and the GREEDY_HEAD burst per decode pair of at least
+        greedy_head_min_seqs sequences."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
+        if self.decode_programs:
+            keys += [(DECODE_MODEL, T, S) for T, S in self.table.decode_pairs()]
         seq_buckets = sorted({S for _, S in self.table.pairs()})
         keys += [(name, S) for S in seq_buckets for name in self._samplers]
         if self.decode_steps > 1:
@@ -254,7 +265,8 @@ class StepExecutor:
         least gpu_cublas_min_tokens run their matmuls with cuBLAS. XLA's Triton GEMMs win at a
         few rows (batch-1 decode: 990 tok/s against 587 with cuBLAS on an H200), cuBLAS from a few
         dozen (docs/benchmarks.md)."""
-        if self._cublas_min_tokens is not None and key[0] in ("model", "burst") and key[1] >= self._cublas_min_tokens:
+        if (self._cublas_min_tokens is not None and key[0] in ("model", DECODE_MODEL, "burst")
+                and key[1] >= self._cublas_min_tokens):
             return {"xla_gpu_enable_triton_gemm": False}
         return {}
 
@@ -268,7 +280,7 @@ class StepExecutor:
         if key[0] == "pages":
             return self._set_pages.lower(self._abstract(self.page_table),
                                          self._abstract(np.zeros((3, key[1]), np.int32)))
-        if key[0] in ("model", "burst"):
+        if key[0] in ("model", DECODE_MODEL, "burst"):
             T, S = key[1:3]
             b = self._empty_batch(T, S)
             table = self._abstract(self.page_table)
@@ -280,7 +292,7 @@ class StepExecutor:
                 counts = self._abstract_counts(S) if penalties else None
                 return self._burst.lower(*args, counts, table, *static, self.decode_steps, sampler, penalties,
                                          self.max_logprobs if logprobs else None)
-            return self._model.lower(*args, table, *static)
+            return self._model.lower(*args, table, *static, key[0] == DECODE_MODEL)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
         shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
@@ -318,8 +330,8 @@ class StepExecutor:
         if exe is not None:
             return exe
         if self.warmed_up:
-            if key[0] == "model":
-                what = f"model program (T={key[1]}, S={key[2]})"
+            if key[0] in ("model", DECODE_MODEL):
+                what = f"{'decode-only ' if key[0] == DECODE_MODEL else ''}model program (T={key[1]}, S={key[2]})"
             elif key[0] == "pages":
                 what = f"page table update program (U={key[1]})"
             elif key[0] == "burst":
@@ -367,7 +379,7 @@ class StepExecutor:
             tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, counts,
                                                      self.page_table)
             return tokens, last, logprobs, kv_pages
-        model = self._executable(("model", T, S))
+        model = self._executable((DECODE_MODEL if batch.decode_only and self.decode_programs else "model", T, S))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev, self.page_table)

@@ -88,6 +88,13 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
+def _decode_programs(model: LoadedModel) -> bool:
+    """Whether the executor compiles decode-only model programs: where the model's decode-only
+    forward differs (dispatch.decode_attention_is_fused: on a GPU each layer's KV write runs inside
+    its attention launch), single steps without a prefill token run it, as the bursts do."""
+    return dispatch.decode_attention_is_fused(model.attn_impl)
+
+
 def _greedy_head_min_seqs(model: LoadedModel) -> int | None:
     """The seq buckets from which the model's greedy head is the kernel (pallas_kernels/greedy_head;
     the executor compiles GREEDY_HEAD bursts for them), or None where it never is."""
@@ -236,6 +243,7 @@ class Engine:
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
             greedy_head_min_seqs=_greedy_head_min_seqs(model),
+            decode_programs=_decode_programs(model),
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

@@ -92,6 +92,7 @@ class PackedBatch:
     history: np.ndarray | None  # i32[S, n * C]: prompt + output ids of rows with penalties, -1 padded
     needs: SamplingNeeds  # which sampler programs the step runs
     steps: int = 1  # K > 1: a burst (StepPlan.num_steps); the arrays describe its first model step
+    decode_only: bool = False  # no prefill token: every sequence has one token (bursts always do)
     # The page table rows the step reads, as the executor must hold them before it runs: per live
     # slot i, (its row step.page_rows[i], lease, pages). While a row's lease holds, its pages only
     # grow, so the executor ships the new ones alone (StepExecutor.sync_pages).
@@ -117,14 +118,16 @@ def _cached(forward: Callable, name: str, build: Callable) -> Callable:
 
 
 def make_model_fn(forward: Callable) -> Callable:
-    """model(param_leaves, kv_pages, flat, rows, prev, page_table, layout, treedef) -> (logits
-    f32[S, V], greedy tokens i32[slots], kv_pages): the model program of a bucket, the parameters as
-    the list of leaves of `treedef`, the page tables as rows of `page_table` i32[rows, P]
-    (StepLayout.unflatten); the greedy tokens make a plain greedy step one dispatch. Jit it with
-    kv_pages (argument 1) donated and layout, treedef (arguments 6, 7) static; see
-    runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input token
-    -(i + 1) stands for its row i, sampled but not yet seen by the host (lookahead,
-    runtime/engine.py).
+    """model(param_leaves, kv_pages, flat, rows, prev, page_table, layout, treedef, decode_only) ->
+    (logits f32[S, V], greedy tokens i32[slots], kv_pages): the model program of a bucket, the
+    parameters as the list of leaves of `treedef`, the page tables as rows of `page_table`
+    i32[rows, P] (StepLayout.unflatten); the greedy tokens make a plain greedy step one dispatch.
+    Jit it with kv_pages (argument 1) donated and layout, treedef, decode_only (arguments 6, 7, 8)
+    static; see runtime/compilation.py. `prev` i32[slots] is the previous step's tokens: an input
+    token -(i + 1) stands for its row i, sampled but not yet seen by the host (lookahead,
+    runtime/engine.py). decode_only: the batch's sequences have one token each
+    (PackedBatch.decode_only); the forward is told so (on a GPU the KV write then runs inside the
+    attention launch, as in the bursts: equal up to rounding).
 
     One function object per forward, kept on the forward function itself: JAX caches traces,
     lowerings and executables per function object, so engines over the same loaded model (several
@@ -138,10 +141,12 @@ def _input_tokens(b: StepBatch, prev):
 
 
 def _build_model_fn(forward: Callable) -> Callable:
-    def model(param_leaves, kv_pages, flat, rows, prev, page_table, layout: StepLayout, treedef):
+    def model(param_leaves, kv_pages, flat, rows, prev, page_table, layout: StepLayout, treedef,
+              decode_only: bool = False):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat, page_table)
-        logits, kv_pages = forward(params, _input_tokens(b, prev), b.positions, kv_pages, b.attn, b.logits_indices)
+        logits, kv_pages = forward(params, _input_tokens(b, prev), b.positions, kv_pages, b.attn, b.logits_indices,
+                                   decode_only=decode_only)
         logits = logits.astype(jnp.float32)
         return logits, pad_slots(greedy(logits, sampling_rows(rows).banned), prev.shape[0]), kv_pages
 
@@ -321,6 +326,7 @@ class BatchPacker:
         need = max((max(samp[i].history_len, stop) for (i, _), stop in zip(histories, stops)), default=0)
         out = self.empty(T, S, history=max(1, -(-need // self.history_chunk)) if histories else 0)
         out.steps = K
+        out.decode_only = plan.num_prefill_tokens == 0
         b, sb = out.step, out.sampling
         m = b.attn
         # Per-sequence values are gathered into lists and written with one numpy assignment each

@@ -12,7 +12,9 @@ threaded through (median over repetitions, warmed up, block_until_ready at the e
   step      the engine's programs for a greedy batch, batch already on the device: the model program
             alone (runtime/step.py: the flat batch unpacked, forward with paged KV written and read
             through pallas_kernels.dispatch -- the Pallas kernel on GPU -- f32 logits, banned ids
-            masked, argmax); a greedy step runs no sampler program (runtime/sampling.py);
+            masked, argmax); a greedy step runs no sampler program (runtime/sampling.py); on a GPU
+            the decode-only program (each layer's KV write inside its attention launch), as the
+            engine runs it for steps without a prefill token;
   executor  the same step called as the engine calls it (StepExecutor with a numpy PackedBatch, so
             the host->device copy of the batch, two flat arrays, is in every step);
   engine    (B = 1 only) `Engine.step()` in steady decode: scheduling, packing, dispatch, output
@@ -131,6 +133,7 @@ def run_child(args) -> dict:
     import numpy as np
 
     from runtime.checkpoint import load_model
+    from runtime.compilation import DECODE_MODEL
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
@@ -184,6 +187,7 @@ def run_child(args) -> dict:
 
         def make_batch(B):  # greedy rows, no penalties: what the packer gives for this decode
             packed = engine.packer.empty(B, B, history=False)
+            packed.decode_only = True
             b = packed.step  # views into packed.flat
             b.tokens[:] = rng.integers(0, mc.vocab_size, B)
             b.positions[:] = args.ctx
@@ -206,18 +210,21 @@ def run_child(args) -> dict:
         t0 = time.perf_counter()
         jobs = []
 
-        def step_job(T, S):  # the engine's model program, compiled with the engine's XLA options
-            key = ("model", T, S)
+        def program_key(T, S, decode: bool):  # the model program the engine runs for such a batch
+            return (DECODE_MODEL if decode and ex.decode_programs else "model", T, S)
+
+        def step_job(T, S, decode: bool):  # compiled with the engine's XLA options
+            key = program_key(T, S, decode)
             return functools.partial(ex._compile, key, ex._lower(key))
 
         for B in batches:
-            jobs.append((("step", B), step_job(B, B)))
+            jobs.append((("step", B), step_job(B, B, True)))
             if B in args.model_batches:
                 b = model_batch(make_batch(B))
                 jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
                                                            b.attn, b.logits_indices).compile))
         if 1 in batches and not args.no_engine:
-            jobs.append((("step", (prefill_T, 1)), step_job(prefill_T, 1)))
+            jobs.append((("step", (prefill_T, 1)), step_job(prefill_T, 1, False)))
         compiled = {}
         with ThreadPoolExecutor(4) as pool:
             futs = [(k, pool.submit(job)) for k, job in jobs]
@@ -225,8 +232,9 @@ def run_child(args) -> dict:
                 compiled[k] = f.result()
         for k, exe in compiled.items():
             if k[0] == "step":
-                T, S = k[1] if isinstance(k[1], tuple) else (k[1], k[1])
-                ex._executables[("model", T, S)] = exe
+                decode = not isinstance(k[1], tuple)
+                T, S = (k[1], k[1]) if decode else k[1]
+                ex._executables[program_key(T, S, decode)] = exe
         info["compile_s"] = time.perf_counter() - t0
         print(f"{name}: {param_bytes / 1e9:.2f} GB params ({weights_read / 1e9:.2f} GB read per step), "
               f"{num_pages} KV pages; load {info['load_s']:.1f}s, {len(jobs)} programs compiled in "

@@ -231,6 +231,51 @@ def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
         headed.close()
 
 
+def test_decode_only_single_steps_run_the_decode_program(monkeypatch):
+    """Where the decode-only forward differs (a GPU: the KV write inside the attention launch) the
+    executor compiles a decode-only model program per decode pair, and single steps without a
+    prefill token run it; steps with one run the model program of their bucket. On the CPU both
+    programs compute the same, so the tokens must equal those of an engine without them bit for
+    bit, alone and in a random-arrival batch, with nothing compiled after warmup (strict)."""
+    from runtime.compilation import DECODE_MODEL
+
+    model = scaled_dummy()
+    cfg = EngineConfig(**BASE)  # single steps (decode_steps 1)
+    plain = Engine(model, cfg)
+    assert not plain.executor.decode_programs  # the CPU's attention: the same program either way
+    monkeypatch.setattr(runtime.engine, "_decode_programs", lambda model: True)
+    decoding = Engine(model, cfg)
+    try:
+        keys = decoding.executor.program_keys()
+        assert sorted(k[1:] for k in keys if k[0] == DECODE_MODEL) == sorted(decoding.buckets.decode_pairs())
+        assert not [k for k in plain.executor.program_keys() if k[0] == DECODE_MODEL]
+        used = []
+        executable = decoding.executor._executable
+        monkeypatch.setattr(decoding.executor, "_executable", lambda key: used.append(key) or executable(key))
+        rng = np.random.default_rng()
+        reqs = [(f"d{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
+                 SamplingParams(temperature=0.0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True))
+                for i in range(12)]
+        for rid, prompt, params in reqs[:3]:
+            used.clear()
+            assert run_one(decoding, prompt, params).outputs[0].token_ids == \
+                run_one(plain, prompt, params).outputs[0].token_ids, rid
+            models = [k[0] for k in used if k[0] in ("model", DECODE_MODEL)]
+            # the prompt's step, then one decode-only step per token after the first
+            assert models == ["model"] + [DECODE_MODEL] * (params.max_tokens - 1), (rid, models)
+        want = run_workload(plain, reqs, seed=1)
+        used.clear()
+        got = run_workload(decoding, reqs, seed=1)
+        assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+        assert {"model", DECODE_MODEL} <= {k[0] for k in used}
+        assert decoding.executor.num_compiles_after_warmup == 0
+        check_idle(plain)
+        check_idle(decoding)
+    finally:
+        plain.close()
+        decoding.close()
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(shared_data_dir() / "stories260k" / "stories260K.bin", dtype="float32", progress=False)

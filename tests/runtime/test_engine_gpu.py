@@ -1,11 +1,13 @@
-"""The engine on an NVIDIA GPU: EngineConfig.gpu_cublas_min_tokens. Run on a GPU host with
-JAX_PLATFORMS=cuda,cpu (the device tool)."""
+"""The engine on an NVIDIA GPU: EngineConfig.gpu_cublas_min_tokens, the decode-only model programs,
+the greedy head bursts. Run on a GPU host with JAX_PLATFORMS=cuda,cpu (the device tool)."""
 
 import jax
 import numpy as np
 import pytest
 
+import runtime.engine
 from runtime.checkpoint import load_model
+from runtime.compilation import DECODE_MODEL
 from runtime.llm import LLM
 from runtime.request import SamplingParams
 from sharding.mesh import MeshConfig
@@ -41,7 +43,7 @@ def test_cublas_from_the_token_bucket_up_with_the_same_tokens(monkeypatch):
         try:
             keys = e.executor.program_keys()
             assert len(seen) == len(keys)
-            want = {k: NO_TRITON if min_tokens and k[0] in ("model", "burst") and k[1] >= min_tokens else {}
+            want = {k: NO_TRITON if min_tokens and k[0] in ("model", DECODE_MODEL, "burst") and k[1] >= min_tokens else {}
                     for k in keys}
             assert {k: e.executor.compiler_options(k) for k in keys} == want
             assert sorted(map(str, (o or {} for _, o in seen))) == sorted(map(str, want.values()))
@@ -64,6 +66,39 @@ def test_cublas_from_the_token_bucket_up_with_the_same_tokens(monkeypatch):
             # dummy's 0.02 weights make many): b's token is a's runner-up, as likely within 0.05
             row, ta, tb = a.logprobs[n], a.token_ids[n], b.token_ids[n]
             assert tb in row and row[ta] - row[tb] < 0.05, (n, row, ta, tb)
+
+
+def test_single_decode_steps_run_the_fused_decode_program(monkeypatch):
+    """On a GPU the executor compiles a decode-only model program per decode pair (each layer's KV
+    write inside its attention launch) and single steps without a prefill token run it. In float32,
+    with weights that leave no near-ties, their greedy tokens equal those of the two-launch model
+    program (the executor's switch off) and of decode bursts, which run the same forward."""
+    from tests.runtime.test_engine import scaled_dummy
+
+    model = scaled_dummy()  # head dim 16: the GPU kernels
+    assert model.attn_impl == "gpu" and runtime.engine._decode_programs(model)
+    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 20)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, steps, fused in (("single", 1, True), ("two_launch", 1, False), ("bursts", 4, True)):
+        if not fused:
+            monkeypatch.setattr(runtime.engine, "_decode_programs", lambda m: False)
+        llm = LLM(model, **{**CFG, "decode_steps": steps})
+        ex = llm.engine.executor
+        try:
+            assert any(k[0] == DECODE_MODEL for k in ex.program_keys()) == fused
+            used = []
+            executable = ex._executable
+            monkeypatch.setattr(ex, "_executable", lambda key: used.append(key) or executable(key))
+            outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            kinds = {k[0] for k in used}
+            assert {"single": DECODE_MODEL in kinds, "two_launch": DECODE_MODEL not in kinds,
+                    "bursts": "burst" in kinds}[name], (name, kinds)
+            assert ex.num_compiles_after_warmup == 0
+        finally:
+            llm.engine.close()
+            monkeypatch.undo()
+    assert outs["single"] == outs["two_launch"] == outs["bursts"]
 
 
 @requires_hopper  # the greedy head kernel
