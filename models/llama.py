@@ -73,7 +73,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata, decode_only: bool = False):
         # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]; decode_only: every sequence has at
-        # most one token in this step (decode bursts), so the KV write may run inside the attention
+        # most one token in this step (decode-only steps and bursts), so the KV write may run inside the attention
         cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
         T, D = x.shape
         qkv = jnp.einsum("td,dgrh->tgrh", x, self.qkv_proj[...].astype(dt), precision=prec)
@@ -262,7 +262,7 @@ def is_qkv_param(path) -> bool:
 def make_forward(graphdef: nnx.GraphDef) -> Callable:
     """The functional seam: forward(params, tokens, positions, kv_pages, attn_meta) -> (logits, kv_pages);
     with greedy=True, (each logits row's argmax i32, kv_pages). decode_only=True promises that every
-    sequence has at most one token in the step (the engine's decode bursts): the GPU then writes
+    sequence has at most one token in the step (the engine's decode-only steps and bursts): the GPU then writes
     K/V inside the attention kernel (dispatch.write_qkv_attention): the same result up to rounding."""
 
     def forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False,

@@ -77,7 +77,7 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
                         decode_only: bool = False, sliding_window=None, soft_cap=None, implementation: str = "auto"):
     """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages): a decoder layer's
     attention from its merged QKV projection. decode_only: the caller guarantees every sequence has
-    at most one token in the step (the engine's decode bursts).
+    at most one token in the step (the engine's decode-only steps and bursts).
 
     implementation: as write_qkv's. "gpu" with decode_only -> one Pallas Triton launch that takes
     each token's own key from the projection and writes it (ragged_paged_attention/gpu.py,

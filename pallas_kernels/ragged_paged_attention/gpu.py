@@ -719,7 +719,7 @@ def write_qkv_attention(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, K * R, H] qkv.dtype, kv_pages)
     """write_qkv then ragged_paged_attention in one launch, for steps whose sequences have at most
-    one token each (decode; the caller guarantees it: the engine's decode bursts). Each program
+    one token each (decode; the caller guarantees it: the engine's decode-only steps and bursts). Each program
     RoPEs its query rows and its KV heads' new k from the merged projection, takes the token's own
     key from there (the pages hold the ones before it, so no program reads what another writes)
     and, in split 0, writes k and v to the token's page slot (in place when kv_pages is donated).

@@ -1,5 +1,6 @@
 """On 8 fake CPU devices: the KV write and attention run per tensor shard (shard_over_heads) with
-each kernel, and give what one device gives.
+each kernel (and the GPU's one-launch write + attention of decode-only steps), and give what one
+device gives.
 
 The Pallas kernels run in interpret mode here. On a real GPU or TPU they are custom calls that
 XLA cannot partition; shard_over_heads is what keeps each device on its own heads and its own
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) d
 
 N, K, H, G, T, S, P_MAX = 8, 4, 64, 16, 24, 4, 3
 Q_LENS, KV_LENS = (1, 7, 5, 1), (1, 7, 31, 33)  # a decode, a fresh prompt, a chunk crossing pages, a decode
+DECODE_KV_LENS = (1, 16, 17, 33)  # decodes only: the token at a page's start, end and past it
 SM_SCALE = H**-0.5
 
 
@@ -66,32 +68,41 @@ def _write_and_attend(write, attend):
 
 
 @functools.lru_cache(maxsize=None)
-def _inputs(dtype_name: str):
+def _inputs(dtype_name: str, q_lens=Q_LENS, kv_lens=KV_LENS):
     """(kv_pages, qkv, cos, sin, *metadata) as numpy arrays, and the number of real tokens. The pool
     is finite random data (a stray write shows); pages are distinct per sequence."""
     rng = np.random.default_rng(7)
     num_pages = S * P_MAX + 2
     free = rng.permutation(num_pages)
     tables, used = [], 0
-    for kv_len in KV_LENS:
+    for kv_len in kv_lens:
         n = -(-kv_len // G)
         tables.append(free[used: used + n].tolist())
         used += n
-    meta = AttentionMetadata.build(KV_LENS, Q_LENS, tables, max_seqs=S, pages_per_seq=P_MAX)
+    meta = AttentionMetadata.build(kv_lens, q_lens, tables, max_seqs=S, pages_per_seq=P_MAX)
     dt = jnp.dtype(dtype_name)
     arrays = [rng.standard_normal(shape).astype(np.float32).astype(dt)
               for shape in ((num_pages, G, 2 * K, H), (T, K, N // K + 2, H))]
     angles = rng.integers(0, 64, (T, 1)) * (10000.0 ** -(np.arange(H // 2) / (H // 2)))
     rope = [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
-    return (*arrays, *rope, *meta), sum(Q_LENS)
+    return (*arrays, *rope, *meta), sum(q_lens)
+
+
+def _gpu_write_attend(kv, qkv, cos, sin, *meta):
+    return gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, sm_scale=SM_SCALE, interpret=True,
+                                   block_sizes=BlockSizes(kv_pages_per_block=2, kv_splits=2))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", [*KERNELS, "gpu_decode_only"])
 @pytest.mark.parametrize("replica,tensor", [(1, 2), (2, 2), (1, 4)])
 def test_per_shard_write_and_attention_equal_one_device(kernel, replica, tensor, dtype):
-    args, n_real = _inputs(jnp.dtype(dtype).name)
-    run = _write_and_attend(*KERNELS[kernel])
+    if kernel == "gpu_decode_only":  # one launch (the engine's decode-only programs): decodes only
+        args, n_real = _inputs(jnp.dtype(dtype).name, (1,) * len(DECODE_KV_LENS), DECODE_KV_LENS)
+        run = _gpu_write_attend
+    else:
+        args, n_real = _inputs(jnp.dtype(dtype).name)
+        run = _write_and_attend(*KERNELS[kernel])
     ref_o, ref_pool = jax.jit(_write_and_attend(ref_write_qkv, _ref_attend))(*args)
 
     mesh = MeshConfig(replica=replica, tensor=tensor).make_mesh()
