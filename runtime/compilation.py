@@ -174,7 +174,7 @@ class StepExecutor:
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
         greedy_head_min_seqs: int | None = None,  # GREEDY_HEAD bursts from this seq bucket up; None: none
-        decode_programs: bool = False,  # decode-only model programs per decode pair (dispatch.decode_attention_is_fused)
+        decode_programs: bool = False,  # decode-only model programs per decode pair (engine._decode_programs)
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
