@@ -62,6 +62,22 @@ def scaled_dummy(scale: float = 25.0):
     return dataclasses.replace(m, params=params)
 
 
+def spy_programs(monkeypatch, executor) -> list:
+    """The keys of the programs the executor runs from now on, in order."""
+    used = []
+    executable = executor._executable
+    monkeypatch.setattr(executor, "_executable", lambda key: used.append(key) or executable(key))
+    return used
+
+
+def greedy_requests(prefix: str, n: int = 12) -> list:
+    """n greedy requests of random prompts (2-29 ids under 256) and lengths (5-39 tokens, EOS ignored)."""
+    rng = np.random.default_rng()
+    return [(f"{prefix}{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
+             SamplingParams(temperature=0.0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True))
+            for i in range(n)]
+
+
 def test_random_model_batch_and_preemption_equal_alone():
     """Runs without the shared checkpoint: alone vs a random-arrival batch in a pool small enough
     to preempt, prefix caching on."""
@@ -197,13 +213,8 @@ def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
         headed.executor.greedy_head_min_seqs = 9  # only from 9 sequences: none of these buckets
         assert not [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
         headed.executor.greedy_head_min_seqs = 8
-        used = []
-        executable = headed.executor._executable
-        monkeypatch.setattr(headed.executor, "_executable", lambda key: used.append(key) or executable(key))
-        rng = np.random.default_rng()
-        reqs = [(f"g{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
-                 SamplingParams(temperature=0.0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True))
-                for i in range(12)]
+        used = spy_programs(monkeypatch, headed.executor)
+        reqs = greedy_requests("g")
         for rid, prompt, params in reqs[:3]:
             assert run_one(headed, prompt, params).outputs[0].token_ids == \
                 run_one(plain, prompt, params).outputs[0].token_ids, rid
@@ -249,13 +260,8 @@ def test_decode_only_single_steps_run_the_decode_program(monkeypatch):
         keys = decoding.executor.program_keys()
         assert sorted(k[1:] for k in keys if k[0] == DECODE_MODEL) == sorted(decoding.buckets.decode_pairs())
         assert not [k for k in plain.executor.program_keys() if k[0] == DECODE_MODEL]
-        used = []
-        executable = decoding.executor._executable
-        monkeypatch.setattr(decoding.executor, "_executable", lambda key: used.append(key) or executable(key))
-        rng = np.random.default_rng()
-        reqs = [(f"d{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
-                 SamplingParams(temperature=0.0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True))
-                for i in range(12)]
+        used = spy_programs(monkeypatch, decoding.executor)
+        reqs = greedy_requests("d")
         for rid, prompt, params in reqs[:3]:
             used.clear()
             assert run_one(decoding, prompt, params).outputs[0].token_ids == \

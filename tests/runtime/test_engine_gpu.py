@@ -73,7 +73,7 @@ def test_single_decode_steps_run_the_fused_decode_program(monkeypatch):
     write inside its attention launch) and single steps without a prefill token run it. In float32,
     with weights that leave no near-ties, their greedy tokens equal those of the two-launch model
     program (the executor's switch off) and of decode bursts, which run the same forward."""
-    from tests.runtime.test_engine import scaled_dummy
+    from tests.runtime.test_engine import scaled_dummy, spy_programs
 
     model = scaled_dummy()  # head dim 16: the GPU kernels
     assert model.attn_impl == "gpu" and runtime.engine._decode_programs(model)
@@ -87,9 +87,7 @@ def test_single_decode_steps_run_the_fused_decode_program(monkeypatch):
         ex = llm.engine.executor
         try:
             assert any(k[0] == DECODE_MODEL for k in ex.program_keys()) == fused
-            used = []
-            executable = ex._executable
-            monkeypatch.setattr(ex, "_executable", lambda key: used.append(key) or executable(key))
+            used = spy_programs(monkeypatch, ex)
             outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             kinds = {k[0] for k in used}
             assert {"single": DECODE_MODEL in kinds, "two_launch": DECODE_MODEL not in kinds,
