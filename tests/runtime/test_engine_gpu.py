@@ -73,7 +73,7 @@ def test_single_decode_steps_run_the_fused_decode_program(monkeypatch):
     write inside its attention launch) and single steps without a prefill token run it. In float32,
     with weights that leave no near-ties, their greedy tokens equal those of the two-launch model
     program (the executor's switch off) and of decode bursts, which run the same forward."""
-    from tests.runtime.test_engine import scaled_dummy, spy_programs
+    from tests.testing.engine import scaled_dummy, spy_programs
 
     model = scaled_dummy()  # head dim 16: the GPU kernels
     assert model.attn_impl == "gpu" and runtime.engine._decode_programs(model)

@@ -1,0 +1,207 @@
+"""Engine tests on a random model (float32, CPU; no checkpoint) of which programs the executor
+compiles and runs: decode bursts with penalties, bans and logprobs, the GREEDY_HEAD bursts, the
+decode-only model programs. Each must give the tokens (and logprobs) of the programs it stands in
+for."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import runtime.engine
+import runtime.step
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+from tests.testing.engine import BASE, check_idle, greedy_requests, run_one, run_workload, scaled_dummy, spy_programs
+from tests.tolerances import ENGINE_LOGPROBS_F32
+
+
+def assert_same_logprobs(got, want, rid):
+    """Per-token logprob rows: the same ids, values equal up to float reassociation."""
+    assert (got is None) == (want is None), rid
+    if want is None:
+        return
+    assert len(got) == len(want), rid
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == list(w), (rid, j)
+        atol, rtol = ENGINE_LOGPROBS_F32
+        np.testing.assert_allclose(list(g.values()), list(w.values()), atol=atol, rtol=rtol, err_msg=f"{rid} {j}")
+
+
+def test_bursts_with_penalties_min_tokens_and_logprobs_equal_single_steps(monkeypatch):
+    """Penalties, logit biases, min_tokens bans and logprobs inside decode bursts (4 model steps per
+    program) give the tokens and logprobs single steps give, alone and in a random-arrival batch:
+    consecutive bursts of penalized rows (the host resolves each before it packs the next), greedy
+    and seeded random, logprobs with and without penalties in the burst, and min_tokens bans held
+    and lifted inside a burst. The burst engine counts penalty histories in chunks of 16 entries
+    (up to 5 a step here), the single-step one in one chunk of max_model_len. Runs without the
+    shared checkpoint."""
+    model = scaled_dummy()
+    cfg = {**BASE, "seq_buckets": (8,)}
+    single = Engine(model, EngineConfig(**cfg))
+    monkeypatch.setattr(runtime.step, "HISTORY_CHUNK", 16)
+    bursts = Engine(model, EngineConfig(**cfg, decode_steps=4))
+    assert (single.packer.history_chunk, bursts.packer.history_chunk) == (256, 16)
+    try:
+        rng = np.random.default_rng()
+        kinds = [dict(temperature=0.0, repetition_penalty=1.8), dict(temperature=0.0, frequency_penalty=2.0),
+                 dict(temperature=1.0, presence_penalty=2.0, top_k=20),
+                 dict(temperature=0.8, frequency_penalty=1.5, presence_penalty=0.5), dict(temperature=0.0),
+                 dict(temperature=0.0, logprobs=3), dict(temperature=0.9, top_p=0.8, logprobs=0),
+                 dict(temperature=0.0, repetition_penalty=1.5, logprobs=2),
+                 dict(temperature=0.0, logit_bias={5: 3.0, 17: -2.0, 99: 1.5}),
+                 dict(temperature=0.7, top_k=20, logit_bias={3: 2.0}, presence_penalty=1.0)]
+        reqs = [(f"p{i}", rng.integers(0, 256, int(rng.integers(4, 30))).tolist(),
+                 SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=int(rng.integers(12, 40)),
+                                **kinds[i % len(kinds)])) for i in range(16)]
+        want = {rid: run_one(single, prompt, params).outputs[0] for rid, prompt, params in reqs}
+        before = bursts.stats().num_bursts
+        alone = {rid: run_one(bursts, prompt, params) for rid, prompt, params in reqs}
+        for rid, out in want.items():  # alone, same shapes: the logits agreed bit for bit when measured
+            assert alone[rid].outputs[0].token_ids == out.token_ids, rid
+            assert_same_logprobs(alone[rid].outputs[0].logprobs, out.logprobs, rid)
+        # In a batch, logits move by float reassociation (logprobs by up to ~4e-5 here, top-2 gaps
+        # down to ~1e-3), which can flip a near-tied pick. A penalized or sampled pick's margin is
+        # not visible in the raw logprobs, so instead of a near-tie cut one request of the 16 may
+        # part from its reference, after a common prefix with the same logprobs; a burst bug moves
+        # every request of its kind (two or more).
+        batch, parted = run_workload(bursts, reqs), []
+        for rid, out in want.items():
+            got = batch[rid].outputs[0]
+            j = next((i for i, (a, b) in enumerate(zip(got.token_ids, out.token_ids)) if a != b), None)
+            if j is None:
+                assert got.token_ids == out.token_ids, rid
+            else:
+                parted.append(rid)
+            k = len(out.token_ids) if j is None else j
+            assert_same_logprobs(got.logprobs[:k] if got.logprobs is not None else None,
+                                 out.logprobs[:k] if out.logprobs is not None else None, rid)
+        assert len(parted) <= 1, f"{parted} part from their single-step references in a batch"
+        assert bursts.stats().num_bursts > before + 16
+        before = bursts.stats().num_bursts
+        run_one(bursts, reqs[5][1], reqs[5][2])  # logprobs, no penalties: bursts too
+        assert bursts.stats().num_bursts > before
+        # the penalties decide tokens here: without them some greedy ones differ
+        plain = [(rid, prompt, replace(params, repetition_penalty=1.0, frequency_penalty=0.0, logit_bias=None))
+                 for rid, prompt, params in reqs if params.temperature == 0.0]
+        assert any(run_one(single, prompt, params).outputs[0].token_ids != want[rid].token_ids
+                   for rid, prompt, params in plain)
+        forced = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logit_bias={42: 100.0})
+        for eng in (single, bursts):  # +100 outweighs any logit of this model: every token is 42
+            assert run_one(eng, reqs[0][1], forced).outputs[0].token_ids == [42] * 9, eng.config.decode_steps
+
+        # min_tokens: a prompt whose greedy tokens t have t[2] not in t[:2] and t[6] not in t[:6].
+        # The prefill samples index 0, bursts 1-4 and 5-8.
+        for _ in range(100):
+            prompt = rng.integers(0, 256, 12).tolist()
+            t = run_one(single, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)).outputs[0].token_ids
+            if t[2] not in t[:2] and t[6] not in t[:6]:
+                break
+        else:
+            pytest.fail("no prompt of 100 had the token pattern needed")
+        lifted = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, ignore_eos=True, stop_token_ids=[t[6]])
+        held = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8, ignore_eos=True, stop_token_ids=[t[2]])
+        for eng in (single, bursts):
+            out = run_one(eng, prompt, lifted).outputs[0]  # the ban is lifted at index 6, mid-burst
+            assert out.token_ids == t[:7] and out.finish_reason == "stop", eng.config.decode_steps
+        ref = run_one(single, prompt, held).outputs[0].token_ids
+        assert ref[:2] == t[:2] and ref[2] != t[2]  # banned at index 2
+        assert run_one(bursts, prompt, held).outputs[0].token_ids == ref
+        check_idle(single)
+        check_idle(bursts)
+    finally:
+        single.close()
+        bursts.close()
+
+
+def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
+    """Where the model's greedy head is a kernel (one Hopper GPU) the executor compiles a GREEDY_HEAD
+    burst per decode pair and runs it for bursts of greedy rows with nothing banned, no penalties
+    and no logprobs; every other burst keeps the logits. On the CPU the graph's head is the
+    reference (the logits' argmax), so the tokens must equal those of bursts without it bit for
+    bit, alone and in a random-arrival batch."""
+    model = scaled_dummy()
+    cfg = EngineConfig(**{**BASE, "seq_buckets": (8,)}, decode_steps=4)
+    plain = Engine(model, cfg)
+    assert plain.executor.greedy_head_min_seqs is None  # float32 on the CPU: no kernel
+    # the executor's switch only: the graph keeps the reference head (the logits' argmax)
+    monkeypatch.setattr(runtime.engine, "_greedy_head_min_seqs", lambda model: 8)
+    headed = Engine(model, cfg)  # the same forward: the programs both have compile once
+    try:
+        heads = [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
+        assert heads and not [k for k in plain.executor.program_keys() if k in heads]
+        assert {k[1:3] for k in heads} == set(headed.buckets.decode_pairs())
+        headed.executor.greedy_head_min_seqs = 9  # only from 9 sequences: none of these buckets
+        assert not [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
+        headed.executor.greedy_head_min_seqs = 8
+        used = spy_programs(monkeypatch, headed.executor)
+        reqs = greedy_requests("g")
+        for rid, prompt, params in reqs[:3]:
+            assert run_one(headed, prompt, params).outputs[0].token_ids == \
+                run_one(plain, prompt, params).outputs[0].token_ids, rid
+        want = run_workload(plain, reqs, seed=1)
+        got = run_workload(headed, reqs, seed=1)
+        assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+        assert sum(k[3:4] == (runtime.step.GREEDY_HEAD,) for k in used) >= 6
+        # a ban (min_tokens with a stop id) or logprobs keep the logits: banned bursts run the greedy sampler
+        base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        free = run_one(plain, reqs[0][1], base).outputs[0].token_ids
+        stop = next(t for t in range(256) if t not in free)  # banned, never chosen: the same tokens
+        for params in (replace(base, min_tokens=9, stop_token_ids=[stop]), replace(base, logprobs=1)):
+            used.clear()
+            assert run_one(headed, reqs[0][1], params).outputs[0].token_ids == \
+                run_one(plain, reqs[0][1], params).outputs[0].token_ids
+            bursts = [k[3] for k in used if k[0] == "burst"]
+            if params.logprobs is None:  # banned below index 9: bursts 1-4 and 5-8, then 9-12 and 13-15
+                assert bursts == ["greedy", "greedy", runtime.step.GREEDY_HEAD, runtime.step.GREEDY_HEAD], bursts
+            else:
+                assert bursts and runtime.step.GREEDY_HEAD not in bursts, bursts
+        check_idle(plain)
+        check_idle(headed)
+    finally:
+        plain.close()
+        headed.close()
+
+
+def test_decode_only_single_steps_run_the_decode_program(monkeypatch):
+    """Where the decode-only forward differs (a GPU: the KV write inside the attention launch) the
+    executor compiles a decode-only model program per decode pair, and single steps without a
+    prefill token run it; steps with one run the model program of their bucket. On the CPU both
+    programs compute the same, so the tokens must equal those of an engine without them bit for
+    bit, alone and in a random-arrival batch, with nothing compiled after warmup (strict)."""
+    from runtime.compilation import DECODE_MODEL
+
+    model = scaled_dummy()
+    cfg = EngineConfig(**BASE)  # single steps (decode_steps 1)
+    plain = Engine(model, cfg)
+    assert not plain.executor.decode_programs  # the CPU's attention: the same program either way
+    monkeypatch.setattr(runtime.engine, "_decode_programs", lambda model: True)
+    decoding = Engine(model, cfg)
+    try:
+        keys = decoding.executor.program_keys()
+        assert sorted(k[1:] for k in keys if k[0] == DECODE_MODEL) == sorted(decoding.buckets.decode_pairs())
+        assert not [k for k in plain.executor.program_keys() if k[0] == DECODE_MODEL]
+        used = spy_programs(monkeypatch, decoding.executor)
+        reqs = greedy_requests("d")
+        for rid, prompt, params in reqs[:3]:
+            used.clear()
+            assert run_one(decoding, prompt, params).outputs[0].token_ids == \
+                run_one(plain, prompt, params).outputs[0].token_ids, rid
+            models = [k[0] for k in used if k[0] in ("model", DECODE_MODEL)]
+            # the prompt's step, then one decode-only step per token after the first
+            assert models == ["model"] + [DECODE_MODEL] * (params.max_tokens - 1), (rid, models)
+        want = run_workload(plain, reqs, seed=1)
+        used.clear()
+        got = run_workload(decoding, reqs, seed=1)
+        tokens = lambda outs: {r: o.outputs[0].token_ids for r, o in outs.items()}  # noqa: E731
+        assert tokens(got) == tokens(want)
+        assert {"model", DECODE_MODEL} <= {k[0] for k in used}
+        assert decoding.executor.num_compiles_after_warmup == 0
+        check_idle(plain)
+        check_idle(decoding)
+    finally:
+        plain.close()
+        decoding.close()
