@@ -257,6 +257,11 @@ class StepExecutor:
         keys += [("pages", U) for U in PAGE_UPDATE_BUCKETS]
         return keys
 
+    def model_key(self, T: int, S: int, decode_only: bool) -> tuple:
+        """The model program a single step of bucket (T, S) runs: the decode-only one for a step
+        without a prefill token where those are compiled (decode_programs), else the bucket's."""
+        return (DECODE_MODEL if decode_only and self.decode_programs else "model", T, S)
+
     def _greedy_head(self, S: int) -> bool:
         return self.greedy_head_min_seqs is not None and S >= self.greedy_head_min_seqs
 
@@ -379,7 +384,7 @@ class StepExecutor:
             tokens, last, kv_pages, logprobs = burst(leaves, kv_pages, batch.flat, batch.rows, prev, counts,
                                                      self.page_table)
             return tokens, last, logprobs, kv_pages
-        model = self._executable((DECODE_MODEL if batch.decode_only and self.decode_programs else "model", T, S))
+        model = self._executable(self.model_key(T, S, batch.decode_only))
         # numpy arrays go straight into the call: the executable's own transfer of a host array
         # cost ~10 us where a jax.device_put first cost ~60 us more (host time on the serving path)
         logits, greedy, kv_pages = model(leaves, kv_pages, batch.flat, batch.rows, prev, self.page_table)

@@ -133,7 +133,6 @@ def run_child(args) -> dict:
     import numpy as np
 
     from runtime.checkpoint import load_model
-    from runtime.compilation import DECODE_MODEL
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
@@ -210,11 +209,8 @@ def run_child(args) -> dict:
         t0 = time.perf_counter()
         jobs = []
 
-        def program_key(T, S, decode: bool):  # the model program the engine runs for such a batch
-            return (DECODE_MODEL if decode and ex.decode_programs else "model", T, S)
-
-        def step_job(T, S, decode: bool):  # compiled with the engine's XLA options
-            key = program_key(T, S, decode)
+        def step_job(T, S, decode: bool):  # the program the engine runs, with the engine's XLA options
+            key = ex.model_key(T, S, decode)
             return functools.partial(ex._compile, key, ex._lower(key))
 
         for B in batches:
@@ -234,7 +230,7 @@ def run_child(args) -> dict:
             if k[0] == "step":
                 decode = not isinstance(k[1], tuple)
                 T, S = (k[1], k[1]) if decode else k[1]
-                ex._executables[program_key(T, S, decode)] = exe
+                ex._executables[ex.model_key(T, S, decode)] = exe
         info["compile_s"] = time.perf_counter() - t0
         print(f"{name}: {param_bytes / 1e9:.2f} GB params ({weights_read / 1e9:.2f} GB read per step), "
               f"{num_pages} KV pages; load {info['load_s']:.1f}s, {len(jobs)} programs compiled in "
