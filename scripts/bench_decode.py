@@ -208,29 +208,27 @@ def run_child(args) -> dict:
         # Compile what this model needs, in parallel (tracing is sequential, XLA compiles release the GIL).
         t0 = time.perf_counter()
         jobs = []
+        program_keys = {}  # job key -> the executor's key of the program it compiles
 
-        def step_job(T, S, decode: bool):  # the program the engine runs, with the engine's XLA options
-            key = ex.model_key(T, S, decode)
-            return functools.partial(ex._compile, key, ex._lower(key))
+        def step_job(job, T, S, decode: bool):  # the program the engine runs, with the engine's XLA options
+            key = program_keys[job] = ex.model_key(T, S, decode)
+            return job, functools.partial(ex._compile, key, ex._lower(key))
 
         for B in batches:
-            jobs.append((("step", B), step_job(B, B, True)))
+            jobs.append(step_job(("step", B), B, B, True))
             if B in args.model_batches:
                 b = model_batch(make_batch(B))
                 jobs.append((("model", B), model_jit.lower(loaded.params, engine.kv_pages, b.tokens, b.positions,
                                                            b.attn, b.logits_indices).compile))
         if 1 in batches and not args.no_engine:
-            jobs.append((("step", (prefill_T, 1)), step_job(prefill_T, 1, False)))
+            jobs.append(step_job(("step", (prefill_T, 1)), prefill_T, 1, False))
         compiled = {}
         with ThreadPoolExecutor(4) as pool:
             futs = [(k, pool.submit(job)) for k, job in jobs]
             for k, f in futs:
                 compiled[k] = f.result()
-        for k, exe in compiled.items():
-            if k[0] == "step":
-                decode = not isinstance(k[1], tuple)
-                T, S = (k[1], k[1]) if decode else k[1]
-                ex._executables[ex.model_key(T, S, decode)] = exe
+        for k, key in program_keys.items():
+            ex._executables[key] = compiled[k]
         info["compile_s"] = time.perf_counter() - t0
         print(f"{name}: {param_bytes / 1e9:.2f} GB params ({weights_read / 1e9:.2f} GB read per step), "
               f"{num_pages} KV pages; load {info['load_s']:.1f}s, {len(jobs)} programs compiled in "
