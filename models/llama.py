@@ -15,6 +15,7 @@ Seam (ARCHITECTURE.md): forward(params, tokens, positions, kv_pages, attn_meta) 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
@@ -49,15 +50,16 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], eps=self.eps)
 
     def add(self, x, r, implementation: str):
-        """(x + r, this norm of it): a residual add and the norm after it (one launch on GPU)."""
+        """(x + r, this norm of it): a residual add and the norm after it (one launch on GPU). x, a
+        projection, may be its f32 partial products (dispatch.gemv_partials), r the residual stream."""
         return dispatch.add_rms_norm(x, r, self.scale[...], eps=self.eps, implementation=implementation)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str, dtype,
+                 param_dtype, rngs: nnx.Rngs):
         D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.cfg, self.attn_impl, self.dtype = cfg, attn_impl, dtype
+        self.cfg, self.attn_impl, self.gemm_impl, self.dtype = cfg, attn_impl, gemm_impl, dtype
         self.head_mesh = head_mesh  # sharding.rules.head_parallel_mesh: write + attention per tensor shard
         # q, k and v as one [D, K', R'+2, H] matrix: per stored KV head, its R' query heads, then k,
         # then v (qkv_layout). One GEMM, no per-step concatenation of three weights.
@@ -73,10 +75,17 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionMetadata, decode_only: bool = False):
         # x: [T, D]; cos, sin: f32[T, H/2]; kv_pages: [P, G, 2K', H]; decode_only: every sequence has at
-        # most one token in this step (decode-only steps and bursts), so the KV write may run inside the attention
+        # most one token in this step (decode-only steps and bursts), so the KV write may run inside the attention.
+        # Returns the o projection [T, D], or its f32 partial products [P, T, D] (dispatch.gemv_parts).
         cfg, dt, prec = self.cfg, self.dtype, _precision(self.dtype)
         T, D = x.shape
-        qkv = jnp.einsum("td,dgrh->tgrh", x, self.qkv_proj[...].astype(dt), precision=prec)
+        parts = partial(dispatch.gemv_parts, decode_only=decode_only, attn_impl=self.attn_impl,
+                        gemm_impl=self.gemm_impl)
+        w = self.qkv_proj[...].astype(dt)
+        if not (cfg.attention_bias or cfg.qk_norm) and (n := parts("qkv", T, D)) > 1:
+            qkv = dispatch.gemv_partials(x, w, n, precision=prec)  # summed in the attention kernel
+        else:
+            qkv = jnp.einsum("td,dgrh->tgrh", x, w, precision=prec)
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias[...].astype(dt)
         if cfg.qk_norm:
@@ -84,7 +93,10 @@ class Attention(nnx.Module):
             qkv = jnp.concatenate([self.q_norm(qkv[:, :, :R]), self.k_norm(qkv[:, :, R:R + 1]), qkv[:, :, R + 1:]],
                                   axis=2)
         o, kv_pages = self._write_and_attend(kv_pages, qkv, cos, sin, *meta, decode_only=decode_only)
-        return jnp.matmul(o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D), precision=prec), kv_pages
+        o, w = o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D)
+        if (n := parts("o", T, o.shape[1])) > 1:
+            return dispatch.gemv_partials(o, w, n, precision=prec), kv_pages  # summed in add_rms_norm
+        return jnp.matmul(o, w, precision=prec), kv_pages
 
     def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
@@ -106,10 +118,15 @@ class MLP(nnx.Module):
         self.gate_up_proj = _param(rngs, (D, 2, F), ("embed", None, "mlp"), param_dtype)
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
-    def __call__(self, x):  # [T, D]
+    def __call__(self, x, down_parts: int = 1):
+        """x [T, D] -> [T, D], or with down_parts > 1 the down projection's f32 partial products
+        [down_parts, T, D] (dispatch.gemv_partials)."""
         dt, prec = self.dtype, _precision(self.dtype)
         h = dispatch.swiglu(x, self.gate_up_proj[...].astype(dt), precision=prec, implementation=self.gemm_impl)
-        return jnp.matmul(h, self.down_proj[...].astype(dt), precision=prec)
+        w = self.down_proj[...].astype(dt)
+        if down_parts > 1:
+            return dispatch.gemv_partials(h, w, down_parts, precision=prec)
+        return jnp.matmul(h, w, precision=prec)
 
 
 class DecoderLayer(nnx.Module):
@@ -117,8 +134,8 @@ class DecoderLayer(nnx.Module):
                  param_dtype, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl,
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, gemm_impl=gemm_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -127,11 +144,12 @@ class DecoderLayer(nnx.Module):
         add). Returns the new stream, next_norm of it (None: the stream only) and the pages."""
         a, kv_pages = self.attn(h, cos, sin, kv_pages, meta, decode_only)
         impl = self.attn.attn_impl  # the kernels for the platform the model lives on
-        x, h = self.post_attn_norm.add(x, a, impl)
-        m = self.mlp(h)
-        if next_norm is None:
-            return x + m, None, kv_pages
-        x, h = next_norm.add(x, m, impl)
+        x, h = self.post_attn_norm.add(a, x, impl)
+        if next_norm is None:  # the last layer's down projection is summed here, not in a norm kernel
+            return x + self.mlp(h), None, kv_pages
+        m = self.mlp(h, dispatch.gemv_parts("down", h.shape[0], self.mlp.down_proj.shape[0], decode_only=decode_only,
+                                            attn_impl=impl, gemm_impl=self.mlp.gemm_impl))
+        x, h = next_norm.add(m, x, impl)
         return x, h, kv_pages
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import flash_attention as _flash_attention
 from pallas_kernels import greedy_head as _greedy_head
@@ -79,6 +80,9 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     attention from its merged QKV projection. decode_only: the caller guarantees every sequence has
     at most one token in the step (the engine's decode-only steps and bursts).
 
+    qkv may be f32[P, T, K, R + 2, H] partial products (gemv_partials): their sum, rounded to the
+    cache's dtype, is the projection (the fused kernel sums them as it loads its rows).
+
     implementation: as write_qkv's. "gpu" with decode_only -> one Pallas Triton launch that takes
     each token's own key from the projection and writes it (ragged_paged_attention/gpu.py,
     write_qkv_attention); otherwise the two calls (two launches on GPU)."""
@@ -87,6 +91,8 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     if decode_only and decode_attention_is_fused(implementation):
         return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if qkv.ndim == 5:
+        qkv = qkv.sum(axis=0).astype(kv_pages.dtype)
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                             implementation=implementation)
     return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
@@ -102,18 +108,55 @@ def decode_attention_is_fused(implementation: str) -> bool:
 
 
 def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """(x + r, RMSNorm(x + r) * scale): a decoder layer's residual add and the norm after it.
+    """(x + r, RMSNorm(x + r) * scale): a decoder layer's residual add and the norm after it. x may
+    be f32[P, T, D] partial products (gemv_partials): their sum, rounded to r's dtype, is added.
 
     implementation: the one the model resolved for attention (select_attention_impl): "gpu" -> one
     Pallas Triton launch (rms_norm/gpu.py) where XLA runs two; "tpu" and "reference" -> jnp
     (ref_add_rms_norm). "auto" picks by the platform of x."""
     if implementation == "auto":
-        implementation = _RPA_BY_PLATFORM.get(_platform(x), "reference")
+        implementation = _RPA_BY_PLATFORM.get(_platform(r), "reference")
     if implementation == "gpu":
         return _rms_norm.add_rms_norm(x, r, scale, eps=eps)
     if implementation in ("tpu", "reference"):
         return _rms_norm.ref_add_rms_norm(x, r, scale, eps=eps)
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
+
+
+# Small decode steps on one Hopper GPU run the q/k/v, o and down projections as GEMV_PARTS[name]
+# batched GEMVs over slices of the contraction, leaving f32 partial products that the kernel after
+# each sums (write_qkv_attention, add_rms_norm): XLA splits these GEMVs' K itself at such rows and
+# then runs a reduce kernel per GEMV, 47 launches a step at llama3_2_1b's shape (~60 us of a ~970 us
+# batch-1 step on an H200). The parts per projection are the fastest measured at 8 rows on an H200
+# (docs/bench_runs/session27_attempts_h100_7d73de0.log, part 6): q/k/v 5.1 us against 6.9 for XLA's
+# GEMV and reduce, o 4.4 against 5.5, down 9.8 against 10.7.
+GEMV_PARTS = {"qkv": 8, "o": 4, "down": 8}
+GEMV_PARTIALS_MAX_ROWS = 16
+
+
+def gemv_parts(name: str, rows: int, contraction: int, *, decode_only: bool, attn_impl: str,
+               gemm_impl: str) -> int:
+    """How many partial products to leave for projection `name` ("qkv", "o" or "down") of `rows`
+    rows over `contraction`: GEMV_PARTS[name] in decode-only steps of at most GEMV_PARTIALS_MAX_ROWS
+    rows on one Hopper GPU (gemm_impl "mosaic_gpu") whose attention and norms run the GPU kernels,
+    when the parts divide the contraction (then gemv_partials); else 1 (one product, x @ w)."""
+    parts = GEMV_PARTS[name]
+    small = decode_only and rows <= GEMV_PARTIALS_MAX_ROWS
+    if not small or attn_impl != "gpu" or gemm_impl != "mosaic_gpu" or contraction % parts:
+        return 1
+    return parts
+
+
+def gemv_partials(x, w, parts: int, *, precision=None) -> jax.Array:
+    """f32[parts, T, ...]: the products of x [T, Kd] and w [Kd, ...] over `parts` equal slices of Kd
+    (one batched GEMV), whose sum is x @ w, for the kernel after it to sum (add_rms_norm,
+    write_qkv_attention). parts must divide Kd."""
+    T, Kd = x.shape
+    if parts < 2 or Kd % parts:
+        raise ValueError(f"parts={parts} must be at least 2 and divide the contraction {Kd}")
+    out = jnp.einsum("tpk,pkn->ptn", x.reshape(T, parts, Kd // parts), w.reshape(parts, Kd // parts, -1),
+                     precision=precision, preferred_element_type=jnp.float32)
+    return out.reshape(parts, T, *w.shape[1:])
 
 
 # Token buckets from which the fused Hopper SwiGLU kernel replaces cuBLAS + XLA's activation kernel:

@@ -162,7 +162,7 @@ def _kernel(
     page_indices_ref,  # i32[S * P_max]
     cu_q_lens_ref,  # i32[S + 1]
     num_seqs_ref,  # i32[1]
-    q_ref,  # [T * N, H]; with decode_write, the merged projection's rows [T * K * (R + 2), H]
+    q_ref,  # [T * N, H]; with decode_write, the merged projection's rows [qkv_parts * T * K * (R + 2), H]
     kv_ref,  # [P * G * 2K, H]
     *refs,  # (cos, sin f32[T, H/2])? o, (lse,)?, (pool out, aliased to kv_ref)?
     sm_scale: float,
@@ -179,6 +179,7 @@ def _kernel(
     kv_splits: int,
     unmasked_full_blocks: bool,
     decode_write: bool,
+    qkv_parts: int,
 ):
     # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
     # (f32[kv_splits, T * N] log2-sum-exp2 per row,)
@@ -196,7 +197,8 @@ def _kernel(
     row_q = row_head * q_per_kv + lax.rem(r, q_per_kv)
     row_used = r < q_tokens * kv_heads * q_per_kv
     f32 = jnp.float32
-    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    q_dtype = kv_ref.dtype if decode_write else q_ref.dtype  # decode_write's q: RoPE'd, rounded to the cache's
+    precision = lax.Precision.HIGHEST if q_dtype == jnp.float32 else None
 
     if kv_splits == 1:
         # An unused item zeroes up to q_tokens padding tokens (those before cu_q_lens[0] and from
@@ -250,15 +252,25 @@ def _kernel(
             cos, sin = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0)
                         for ref in (cos_ref, sin_ref))
 
+            part_rows = q_ref.shape[0] // qkv_parts
+
+            def load(src, cc):
+                # The projection's rows; from partial products (qkv_parts > 1), their f32 sum rounded
+                # to the cache's dtype, which is the model's: what the GEMV would have written.
+                x = plgpu.load(q_ref.at[src[:, None], cc], mask=row_ok[:, None], other=0.0).astype(f32)
+                if qkv_parts > 1:
+                    for p in range(1, qkv_parts):
+                        x += plgpu.load(q_ref.at[src[:, None] + p * part_rows, cc], mask=row_ok[:, None], other=0.0)
+                    x = x.astype(kv_ref.dtype).astype(f32)
+                return x
+
             def rope(src):
-                x, xp = (plgpu.load(q_ref.at[src[:, None], cc], mask=row_ok[:, None], other=0.0).astype(f32)
-                         for cc in (cols, partner))
+                x, xp = load(src, cols), load(src, partner)
                 return (x * cos + sign * xp * sin).astype(q_ref.dtype).astype(kv_ref.dtype)
 
             q = rope(group + lax.rem(r, q_per_kv))
             k_new = rope(group + q_per_kv)
-            v_new = plgpu.load(q_ref.at[group[:, None] + q_per_kv + 1, cols], mask=row_ok[:, None],
-                               other=0.0).astype(kv_ref.dtype)
+            v_new = load(group + q_per_kv + 1, cols).astype(kv_ref.dtype)
         else:
             q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
 
@@ -384,10 +396,10 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     if rope is None:
         T, N, _ = q.shape
         q_in, dtype = q.reshape(T * N, H), q.dtype
-    else:
-        T, _, R2, _ = q.shape
+    else:  # the merged projection [T, K, R + 2, H], or its f32 partial products [parts, T, K, R + 2, H]
+        T, _, R2, _ = q.shape[-4:]
         N = K * (R2 - 2)
-        q_in, dtype = q.reshape(T * K * R2, H), kv_pages.dtype
+        q_in, dtype = q.reshape(-1, H), kv_pages.dtype
     q_shape = jax.ShapeDtypeStruct((T, N, H), dtype)
     bq, bkv, kh, splits = check_block_sizes(block_sizes, q_shape, kv_pages, page_indices)
     rows = max(16, next_pow2(bq * kh * (N // K)))
@@ -408,7 +420,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
-        kv_block=bkv, kv_splits=splits, decode_write=rope is not None,
+        kv_block=bkv, kv_splits=splits, decode_write=rope is not None, qkv_parts=q.shape[0] if q.ndim == 5 else 1,
         unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
@@ -717,7 +729,7 @@ def write_qkv_attention(
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, K * R, H] qkv.dtype, kv_pages)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, K * R, H] kv_pages.dtype, kv_pages)
     """write_qkv then ragged_paged_attention in one launch, for steps whose sequences have at most
     one token each (decode; the caller guarantees it: the engine's decode-only steps and bursts). Each program
     RoPEs its query rows and its KV heads' new k from the merged projection, takes the token's own
@@ -727,9 +739,15 @@ def write_qkv_attention(
     the PV matmul); the write kernel's launch is gone (~2.8 us a layer at 256
     sequences of llama3_2_1b on an H100, docs/kernels/ragged_paged_attention.md).
 
+    qkv may instead be f32[P, T, K, R + 2, H] partial products of the projection (dispatch.gemv_partials):
+    each program sums its rows' P parts and rounds them to kv_pages' dtype as it loads them, so no
+    reduce kernel runs between the GEMV and this one.
+
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
-    T, K, R2, H = _check_qkv(kv_pages, qkv, cos, sin)
-    q_shape = jax.ShapeDtypeStruct((T, K * (R2 - 2), H), qkv.dtype)
+    if qkv.ndim == 5 and qkv.dtype != jnp.float32:
+        raise ValueError(f"qkv partial products {qkv.shape} must be float32, got {qkv.dtype}")
+    T, K, R2, H = _check_qkv(kv_pages, qkv[0] if qkv.ndim == 5 else qkv, cos, sin)
+    q_shape = jax.ShapeDtypeStruct((T, K * (R2 - 2), H), kv_pages.dtype)
     validate_inputs(q_shape, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
     if block_sizes is None:
@@ -739,5 +757,5 @@ def write_qkv_attention(
                                       sm_scale=float(sm_scale), sliding_window=sliding_window,
                                       soft_cap=None if soft_cap is None else float(soft_cap),
                                       block_sizes=block_sizes, interpret=interpret)
-    return o.astype(qkv.dtype), pool
+    return o, pool
 

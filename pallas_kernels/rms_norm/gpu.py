@@ -5,6 +5,10 @@ XLA on an H200 runs a decoder layer's residual add and the norm that reads the s
 launch each, ~1.3 and ~1.8 us at batch 1 on llama3_2_1b, twice per layer. Here one program
 normalises `block_rows` rows: it reads x and r, writes their sum (rounded to their dtype, as the
 jnp add) and the norm of that rounded sum, computed in f32 as reference.rms_norm does.
+
+x may also come as f32[P, T, D] partial products of the GEMV before it (dispatch.gemv_partials):
+the program sums them and rounds to r's dtype, the GEMM's output, before the add, so XLA's
+split-K reduce kernel before each call goes (docs/benchmarks.md, twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ def default_block_rows(T: int, D: int) -> int:
     return max(1, min(next_pow2(T), 4096 // next_pow2(D)))
 
 
-def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: int, cols: int):
-    T, D = x_ref.shape
+def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: int, cols: int, parts: int):
+    # x_ref: [parts * T, D], the partial products one after the other (parts == 1: x itself)
+    T, D = r_ref.shape
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     col = jnp.arange(cols, dtype=jnp.int32)
     ok = (rows < T)[:, None] & (col < D)[None, :]
@@ -35,6 +40,10 @@ def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: 
     # element of a masked store (a no-op on the GPU) and drops only out-of-range ones.
     idx = (jnp.where(ok, rows[:, None], T + rows[:, None]), col[None, :])
     x = plgpu.load(x_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
+    if parts > 1:
+        for p in range(1, parts):
+            x += plgpu.load(x_ref.at[(idx[0] + p * T, idx[1])], mask=ok, other=0.0)
+        x = x.astype(r_ref.dtype).astype(jnp.float32)  # the projection's output dtype
     r = plgpu.load(r_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
     s = (x + r).astype(sum_ref.dtype)
     plgpu.store(sum_ref.at[idx], s, mask=ok)
@@ -46,34 +55,37 @@ def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
 def _add_rms_norm(x, r, scale, *, eps, block_rows, interpret):
-    T, D = x.shape
-    itemsize = jnp.dtype(x.dtype).itemsize
+    parts = 1 if x.ndim == 2 else x.shape[0]
+    T, D = r.shape
+    itemsize = jnp.dtype(r.dtype).itemsize
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D)),
+        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D), parts=parts),
         grid=(pl.cdiv(T, block_rows),),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 2,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
+        out_shape=[jax.ShapeDtypeStruct(r.shape, r.dtype)] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        cost_estimate=pl.CostEstimate(flops=5 * T * D, transcendentals=T,
-                                      bytes_accessed=4 * T * D * itemsize + D * jnp.dtype(scale.dtype).itemsize),
+        cost_estimate=pl.CostEstimate(flops=(4 + parts) * T * D, transcendentals=T,
+                                      bytes_accessed=3 * T * D * itemsize + x.size * jnp.dtype(x.dtype).itemsize
+                                      + D * jnp.dtype(scale.dtype).itemsize),
         interpret=interpret,
         name="add_rms_norm_gpu",
-    )(x, r, scale)
+    )(x.reshape(parts * T, D), r, scale)
 
 
 def add_rms_norm(x: jax.Array, r: jax.Array, scale: jax.Array, *, eps: float, block_rows: int | None = None,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Pallas Triton kernel; same contract as reference.ref_add_rms_norm: (x + r, its RMSNorm).
+    """Pallas Triton kernel; same contract as reference.ref_add_rms_norm: (x + r, its RMSNorm); x
+    [T, D] like r, or f32[P, T, D] partial products summed (and rounded to r's dtype) first.
 
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
     validate(x, r, scale)
     if block_rows is None:
-        block_rows = default_block_rows(*x.shape)
+        block_rows = default_block_rows(*r.shape)
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows={block_rows} must be a power of two")
-    if x.shape[0] == 0:
-        return x + r, x
+    if r.shape[0] == 0:
+        return r, r
     s, y = _add_rms_norm(x, r, scale, eps=float(eps), block_rows=block_rows, interpret=interpret)
     return s, y

@@ -491,6 +491,36 @@ def test_gpu_write_qkv_attention_is_write_then_attend(case, dtype):
     _check_fused(shape, dtype, got, inputs, wants)
 
 
+def _exact_partials(qkv, parts: int):
+    """f32[parts, ...] whose sum is qkv (bf16 values) in any order: dyadic shares 1/2, 1/4, ..., the
+    last two equal, so every partial sum is exact."""
+    w = [0.5 ** (i + 1) for i in range(parts - 1)] + [0.5 ** (parts - 1)]
+    return jnp.stack([qkv.astype(jnp.float32) * wi for wi in w[::-1]])
+
+
+@pytest.mark.parametrize("case", ["base_splits", "gqa3", "sliding_window"])
+def test_gpu_write_qkv_attention_sums_partial_products(case):
+    """qkv as f32 partial products (dispatch.gemv_partials): the kernel sums each row's parts and
+    rounds them to the cache's dtype as it loads them; the same output and pool as from the summed
+    projection, and as the reference path through dispatch."""
+    shape, kh, splits = FUSED_CASES[case]
+    inputs, wants = _fused_inputs(shape, jnp.bfloat16, zlib.crc32(case.encode()) + 1)
+    kv, qkv, cos, sin, meta, _ = inputs
+    bs = dataclasses.replace(gpu_test_blocks(shape, splits), q_tokens_per_block=1, kv_heads_per_block=kh)
+    f = functools.partial(gpu.write_qkv_attention, **_opts(shape), block_sizes=bs, interpret=True)
+    want = f(kv, qkv, cos, sin, *meta)
+    for parts in (2, 8):
+        got = f(kv, _exact_partials(qkv, parts), cos, sin, *meta)
+        _check_fused(shape, jnp.bfloat16, got, inputs, wants)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    ref = functools.partial(dispatch.write_qkv_attention, **_opts(shape), decode_only=True, implementation="reference")
+    for g, w in zip(ref(kv, _exact_partials(qkv, 4), cos, sin, *meta), ref(kv, qkv, cos, sin, *meta)):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="partial products .* must be float32"):
+        f(kv, _exact_partials(qkv, 2).astype(jnp.bfloat16), cos, sin, *meta)
+
+
 def test_gpu_write_qkv_attention_lowers_for_cuda_in_place():
     """The fused kernel through Pallas' Triton lowering on CPU (with splits, window and soft cap), the
     pool aliased to its output."""
@@ -661,6 +691,9 @@ def test_gpu_write_qkv_attention_on_device(case, splits):
                                                               kv_splits=splits)
         got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs)
         _check_fused(shape, jnp.bfloat16, got, inputs, wants)
+        if splits is None:  # qkv as the partial products small decode steps hand it (dispatch.gemv_parts)
+            got = gpu.write_qkv_attention(kv, _exact_partials(qkv, 8), cos, sin, *meta, **_opts(shape))
+            _check_fused(shape, jnp.bfloat16, got, inputs, wants)
 
 
 @pytest.mark.gpu

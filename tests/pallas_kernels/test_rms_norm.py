@@ -57,6 +57,37 @@ def test_kernel_matches_reference(T, D, block_rows, dtype):
     assert_norm_close(y, wy, dtype)
 
 
+def exact_partials(x, parts: int, seed: int = 0):
+    """f32[parts, T, D] partial products whose sum is x in any order: x split by dyadic weights
+    (1/2, 1/4, ..., the last two equal), each part exact, every partial sum exact below f32's 24 bits."""
+    w = [0.5 ** (i + 1) for i in range(parts - 1)] + [0.5 ** (parts - 1)]
+    perm = np.random.default_rng(seed).permutation(parts)
+    return jnp.stack([x.astype(jnp.float32) * w[i] for i in perm])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("T,D,parts", [(1, 64, 2), (2, 2048, 8), (7, 96, 4)])
+def test_kernel_sums_partial_products(T, D, parts, dtype):
+    """x as f32[P, T, D] partial products (dispatch.gemv_partials): the kernel and the reference sum
+    them and round to r's dtype before the add; the same as x itself."""
+    x, r, scale = inputs(T, D, dtype, seed=T + D)
+    if dtype == jnp.float32:  # 16 significant bits: the dyadic parts' partial sums stay exact
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    xp = exact_partials(x, parts, seed=T)
+    want = ref_add_rms_norm(x, r, scale, eps=EPS)
+    ref = ref_add_rms_norm(xp, r, scale, eps=EPS)
+    got = jax.jit(functools.partial(add_rms_norm, eps=EPS, interpret=True))(xp, r, scale)
+    for g, rf, w in zip(got, ref, want):
+        assert g.dtype == rf.dtype == dtype and g.shape == rf.shape == (T, D)
+        np.testing.assert_array_equal(np.asarray(rf, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    assert_norm_close(got[1], want[1], dtype)
+    with pytest.raises(ValueError, match="f32\\[P, T, D\\] partial products"):
+        add_rms_norm(xp.astype(jnp.bfloat16), r, scale, eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="f32\\[P, T, D\\] partial products"):
+        ref_add_rms_norm(xp[:, :, :-1], r, scale, eps=EPS)
+
+
 def test_kernel_rows_are_independent():
     """A row's norm uses only its own elements: changing one row changes no other row's output."""
     x, r, scale = inputs(9, 96, jnp.float32)
@@ -104,3 +135,9 @@ def test_kernel_on_device(T, D, dtype):
     ws, wy = jax.jit(functools.partial(ref_add_rms_norm, eps=EPS))(x, r, scale)
     np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(ws, np.float32))
     assert_norm_close(y, wy, dtype)
+    if T <= 16:  # the sizes decode steps hand it partial products at (dispatch.GEMV_PARTIALS_MAX_ROWS)
+        x = x.astype(jnp.bfloat16).astype(dtype)
+        s, y = jax.jit(functools.partial(add_rms_norm, eps=EPS))(exact_partials(x, 8), r, scale)
+        ws, wy = jax.jit(functools.partial(ref_add_rms_norm, eps=EPS))(x, r, scale)
+        np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(ws, np.float32))
+        assert_norm_close(y, wy, dtype)

@@ -135,3 +135,34 @@ def test_greedy_head_bursts_give_the_logits_path_tokens():
             llm.engine.close()
     assert outs[0] == outs[1]
     assert len({tuple(t) for t in outs[0]}) > 1  # the prompts lead to different tokens
+
+
+@requires_hopper  # gemm_impl "mosaic_gpu": where small decode steps leave partial products
+def test_small_decode_steps_sum_partial_products_with_the_same_tokens(monkeypatch):
+    """Decode-only programs of up to dispatch.GEMV_PARTIALS_MAX_ROWS rows compute q/k/v, o and down
+    as partial products that the attention and norm kernels sum (dispatch.gemv_parts); in float32,
+    with weights that leave no near-ties, their greedy tokens equal those of the plain GEMVs."""
+    import dataclasses
+
+    from pallas_kernels import dispatch
+    from tests.testing.engine import scaled_dummy
+
+    model = scaled_dummy()
+    assert model.gemm_impl == "mosaic_gpu" and model.attn_impl == "gpu"
+    prompts = np.random.default_rng(3).integers(0, model.config.vocab_size, (6, 20)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    gemv_parts = dispatch.gemv_parts
+    for max_rows in (dispatch.GEMV_PARTIALS_MAX_ROWS, 0):
+        monkeypatch.setattr(dispatch, "GEMV_PARTIALS_MAX_ROWS", max_rows)
+        parts = []  # what each traced projection got
+        monkeypatch.setattr(dispatch, "gemv_parts", lambda *a, **kw: parts.append(gemv_parts(*a, **kw)) or parts[-1])
+        llm = LLM(dataclasses.replace(model), **CFG)  # a fresh forward: traced anew; decode programs of 8 rows
+        try:
+            assert parts and (max(parts) > 1) == (max_rows > 0), parts
+            outs[max_rows] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.executor.num_compiles_after_warmup == 0
+        finally:
+            llm.engine.close()
+            monkeypatch.undo()
+    assert outs[dispatch.GEMV_PARTIALS_MAX_ROWS] == outs[0]
