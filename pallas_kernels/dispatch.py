@@ -131,7 +131,7 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 # (docs/bench_runs/session27_attempts_h100_7d73de0.log, part 6): q/k/v 5.1 us against 6.9 for XLA's
 # GEMV and reduce, o 4.4 against 5.5, down 9.8 against 10.7.
 GEMV_PARTS = {"qkv": 8, "o": 4, "down": 8}
-GEMV_PARTIALS_MAX_ROWS = 16
+GEMV_PARTIALS_MAX_ROWS = 8
 
 
 def gemv_parts(name: str, rows: int, contraction: int, *, decode_only: bool, attn_impl: str,
