@@ -82,7 +82,7 @@ class Attention(nnx.Module):
         parts = partial(dispatch.gemv_parts, decode_only=decode_only, attn_impl=self.attn_impl,
                         gemm_impl=self.gemm_impl)
         w = self.qkv_proj[...].astype(dt)
-        if not (cfg.attention_bias or cfg.qk_norm) and (n := parts("qkv", T, D)) > 1:
+        if not (cfg.attention_bias or cfg.qk_norm) and (n := parts("qkv", T, D, D)) > 1:
             qkv = dispatch.gemv_partials(x, w, n, precision=prec)  # summed in the attention kernel
         else:
             qkv = jnp.einsum("td,dgrh->tgrh", x, w, precision=prec)
@@ -94,7 +94,7 @@ class Attention(nnx.Module):
                                   axis=2)
         o, kv_pages = self._write_and_attend(kv_pages, qkv, cos, sin, *meta, decode_only=decode_only)
         o, w = o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D)
-        if (n := parts("o", T, o.shape[1])) > 1:
+        if (n := parts("o", T, o.shape[1], D)) > 1:
             return dispatch.gemv_partials(o, w, n, precision=prec), kv_pages  # summed in add_rms_norm
         return jnp.matmul(o, w, precision=prec), kv_pages
 
@@ -147,8 +147,9 @@ class DecoderLayer(nnx.Module):
         x, h = self.post_attn_norm.add(a, x, impl)
         if next_norm is None:  # the last layer's down projection is summed here, not in a norm kernel
             return x + self.mlp(h), None, kv_pages
-        m = self.mlp(h, dispatch.gemv_parts("down", h.shape[0], self.mlp.down_proj.shape[0], decode_only=decode_only,
-                                            attn_impl=impl, gemm_impl=self.mlp.gemm_impl))
+        F, D = self.mlp.down_proj.shape
+        m = self.mlp(h, dispatch.gemv_parts("down", h.shape[0], F, D, decode_only=decode_only, attn_impl=impl,
+                                            gemm_impl=self.mlp.gemm_impl))
         x, h = next_norm.add(m, x, impl)
         return x, h, kv_pages
 

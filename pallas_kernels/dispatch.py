@@ -123,25 +123,28 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
 
 
-# Small decode steps on one Hopper GPU run the q/k/v, o and down projections as GEMV_PARTS[name]
-# batched GEMVs over slices of the contraction, leaving f32 partial products that the kernel after
-# each sums (write_qkv_attention, add_rms_norm): XLA splits these GEMVs' K itself at such rows and
-# then runs a reduce kernel per GEMV, 47 launches a step at llama3_2_1b's shape (~60 us of a ~970 us
-# batch-1 step on an H200). The parts per projection are the fastest measured at 8 rows on an H200
-# (docs/bench_runs/session27_attempts_h100_7d73de0.log, part 6): q/k/v 5.1 us against 6.9 for XLA's
-# GEMV and reduce, o 4.4 against 5.5, down 9.8 against 10.7.
-GEMV_PARTS = {"qkv": 8, "o": 4, "down": 8}
-GEMV_PARTIALS_MAX_ROWS = 8
+# Batch-1 decode steps of small models on one Hopper GPU run the q/k/v, o and down projections as
+# GEMV_PARTS[name] batched GEMVs over slices of the contraction, leaving f32 partial products that the
+# kernel after each sums (write_qkv_attention, add_rms_norm). XLA splits these GEMVs' K itself at
+# such rows and then runs a reduce kernel per GEMV: 47 launches, ~58 us of llama3_2_1b's ~950 us
+# batch-1 step on an H200. The summing costs the consumers part of that back, so it pays only where
+# the reduces are a large share: llama3_2_1b at batch 1 (hidden 2,048) gained 2.4% (decode bursts
+# 1,040-1,059 -> 1,073-1,077 tok/s, alternating on one H200), its batch 16 lost 1-2%, and
+# llama3_8b (hidden 4,096) at batch 1 lost ~1% (docs/benchmarks.md, twenty-eighth session).
+GEMV_PARTS = {"qkv": 4, "o": 4, "down": 8}
+GEMV_PARTIALS_MAX_ROWS = 8  # the engine's batch-1 programs (1 token, 2 rows: LlamaModel pads it)
+GEMV_PARTIALS_MAX_HIDDEN = 2048
 
 
-def gemv_parts(name: str, rows: int, contraction: int, *, decode_only: bool, attn_impl: str,
+def gemv_parts(name: str, rows: int, contraction: int, hidden: int, *, decode_only: bool, attn_impl: str,
                gemm_impl: str) -> int:
     """How many partial products to leave for projection `name` ("qkv", "o" or "down") of `rows`
-    rows over `contraction`: GEMV_PARTS[name] in decode-only steps of at most GEMV_PARTIALS_MAX_ROWS
-    rows on one Hopper GPU (gemm_impl "mosaic_gpu") whose attention and norms run the GPU kernels,
-    when the parts divide the contraction (then gemv_partials); else 1 (one product, x @ w)."""
+    rows over `contraction`, in a model of `hidden` size: GEMV_PARTS[name] in decode-only steps of
+    at most GEMV_PARTIALS_MAX_ROWS rows of a model of at most GEMV_PARTIALS_MAX_HIDDEN on one Hopper
+    GPU (gemm_impl "mosaic_gpu") whose attention and norms run the GPU kernels, when the parts divide
+    the contraction (then gemv_partials); else 1 (one product, x @ w)."""
     parts = GEMV_PARTS[name]
-    small = decode_only and rows <= GEMV_PARTIALS_MAX_ROWS
+    small = decode_only and rows <= GEMV_PARTIALS_MAX_ROWS and hidden <= GEMV_PARTIALS_MAX_HIDDEN
     if not small or attn_impl != "gpu" or gemm_impl != "mosaic_gpu" or contraction % parts:
         return 1
     return parts

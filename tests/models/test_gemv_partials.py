@@ -30,17 +30,18 @@ def test_gemv_partials_sum_to_the_product():
             dispatch.gemv_partials(x, w, parts)
 
 
-def test_gemv_parts_only_for_small_decode_steps_on_one_hopper_gpu():
+def test_gemv_parts_only_for_batch_1_decode_of_small_models_on_one_hopper_gpu():
     small = dict(decode_only=True, attn_impl="gpu", gemm_impl="mosaic_gpu")
-    n = dispatch.GEMV_PARTIALS_MAX_ROWS
+    n, hidden = dispatch.GEMV_PARTIALS_MAX_ROWS, dispatch.GEMV_PARTIALS_MAX_HIDDEN
     for name, parts in dispatch.GEMV_PARTS.items():
-        assert dispatch.gemv_parts(name, n, 2048, **small) == parts
-        assert dispatch.gemv_parts(name, 1, 2048, **small) == parts
-        assert dispatch.gemv_parts(name, n + 1, 2048, **small) == 1  # XLA's GEMMs from there
-        assert dispatch.gemv_parts(name, 1, 2048 + parts // 2, **small) == 1  # parts must divide the contraction
-        assert dispatch.gemv_parts(name, 1, 2048, **{**small, "decode_only": False}) == 1
-        assert dispatch.gemv_parts(name, 1, 2048, **{**small, "attn_impl": "reference"}) == 1  # no summing kernels
-        assert dispatch.gemv_parts(name, 1, 2048, **{**small, "gemm_impl": "reference"}) == 1  # CPU, TPU, meshes
+        assert dispatch.gemv_parts(name, n, 2048, hidden, **small) == parts
+        assert dispatch.gemv_parts(name, 1, 8192, 576, **small) == parts
+        assert dispatch.gemv_parts(name, n + 1, 2048, hidden, **small) == 1  # XLA's GEMMs from there
+        assert dispatch.gemv_parts(name, 1, 4096, 2 * hidden, **small) == 1  # larger models: XLA's GEMMs
+        assert dispatch.gemv_parts(name, 1, 2048 + parts // 2, hidden, **small) == 1  # parts must divide it
+        assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "decode_only": False}) == 1
+        assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "attn_impl": "reference"}) == 1  # no summing
+        assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "gemm_impl": "reference"}) == 1  # CPU, TPU, meshes
 
 
 @pytest.mark.parametrize("case", ["llama3_rope_scaling", "qwen3_qk_norm", "qwen2_qkv_bias"])
@@ -54,7 +55,7 @@ def test_model_with_partial_products_decodes_the_same(case, tmp_path, monkeypatc
     want = greedy_generate(model, prompt, 12, decode_only=True)
     used = []
 
-    def forced(name, rows, contraction, *, decode_only, attn_impl, gemm_impl):
+    def forced(name, rows, contraction, hidden, *, decode_only, attn_impl, gemm_impl):
         parts = dispatch.GEMV_PARTS[name] if decode_only and contraction % dispatch.GEMV_PARTS[name] == 0 else 1
         used.append((name, parts))
         return parts
