@@ -128,9 +128,9 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 # kernel after each sums (write_qkv_attention, add_rms_norm). XLA splits these GEMVs' K itself at
 # such rows and then runs a reduce kernel per GEMV: 47 launches, ~58 us of llama3_2_1b's ~950 us
 # batch-1 step on an H200. The summing costs the consumers part of that back, so it pays only where
-# the reduces are a large share: llama3_2_1b at batch 1 (hidden 2,048) gained 2.4% (decode bursts
-# 1,040-1,059 -> 1,073-1,077 tok/s, alternating on one H200), its batch 16 lost 1-2%, and
-# llama3_8b (hidden 4,096) at batch 1 lost ~1% (docs/benchmarks.md, twenty-eighth session).
+# the reduces are a large share: llama3_2_1b's batch-1 step (hidden 2,048) 0.962-0.965 -> 0.920-0.926
+# ms on an H200 and 1.176-1.199 -> 1.149-1.155 on an H100 (alternating runs), its batch 16 lost 1-2%,
+# and llama3_8b (hidden 4,096) at batch 1 lost ~1% (docs/benchmarks.md, twenty-eighth session).
 GEMV_PARTS = {"qkv": 4, "o": 4, "down": 8}
 GEMV_PARTIALS_MAX_ROWS = 8  # the engine's batch-1 programs (1 token, 2 rows: LlamaModel pads it)
 GEMV_PARTIALS_MAX_HIDDEN = 2048
