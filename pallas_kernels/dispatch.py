@@ -113,7 +113,7 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 
     implementation: the one the model resolved for attention (select_attention_impl): "gpu" -> one
     Pallas Triton launch (rms_norm/gpu.py) where XLA runs two; "tpu" and "reference" -> jnp
-    (ref_add_rms_norm). "auto" picks by the platform of x."""
+    (ref_add_rms_norm). "auto" picks by the platform of r."""
     if implementation == "auto":
         implementation = _RPA_BY_PLATFORM.get(_platform(r), "reference")
     if implementation == "gpu":
