@@ -2,10 +2,10 @@
 they apply, that their sums are the projections, and the model wired through them on CPU (the
 reference attention and norm sum the parts as the GPU kernels do)."""
 
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import dispatch
 from runtime.checkpoint import load_model
