@@ -746,7 +746,8 @@ def write_qkv_attention(
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
     if qkv.ndim == 5 and qkv.dtype != jnp.float32:
         raise ValueError(f"qkv partial products {qkv.shape} must be float32, got {qkv.dtype}")
-    T, K, R2, H = _check_qkv(kv_pages, qkv[0] if qkv.ndim == 5 else qkv, cos, sin)
+    one = jax.ShapeDtypeStruct(qkv.shape[1:], qkv.dtype) if qkv.ndim == 5 else qkv  # a part's shape: no slice traced
+    T, K, R2, H = _check_qkv(kv_pages, one, cos, sin)
     q_shape = jax.ShapeDtypeStruct((T, K * (R2 - 2), H), kv_pages.dtype)
     validate_inputs(q_shape, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)

@@ -27,6 +27,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import (
     BlockSizes, gpu, ragged_paged_attention, ref_cost_estimate, ref_ragged_paged_attention,
     ref_write_kv_pages, ref_write_qkv, tpu, validate_inputs)
+from tests.testing.partials import exact_partials
 from tests.tolerances import tol
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -491,13 +492,6 @@ def test_gpu_write_qkv_attention_is_write_then_attend(case, dtype):
     _check_fused(shape, dtype, got, inputs, wants)
 
 
-def _exact_partials(qkv, parts: int):
-    """f32[parts, ...] whose sum is qkv (bf16 values) in any order: dyadic shares 1/2, 1/4, ..., the
-    last two equal, so every partial sum is exact."""
-    w = [0.5 ** (i + 1) for i in range(parts - 1)] + [0.5 ** (parts - 1)]
-    return jnp.stack([qkv.astype(jnp.float32) * wi for wi in w[::-1]])
-
-
 @pytest.mark.parametrize("case", ["base_splits", "gqa3", "sliding_window"])
 def test_gpu_write_qkv_attention_sums_partial_products(case):
     """qkv as f32 partial products (dispatch.gemv_partials): the kernel sums each row's parts and
@@ -510,15 +504,15 @@ def test_gpu_write_qkv_attention_sums_partial_products(case):
     f = functools.partial(gpu.write_qkv_attention, **_opts(shape), block_sizes=bs, interpret=True)
     want = f(kv, qkv, cos, sin, *meta)
     for parts in (2, 8):
-        got = f(kv, _exact_partials(qkv, parts), cos, sin, *meta)
+        got = f(kv, exact_partials(qkv, parts), cos, sin, *meta)
         _check_fused(shape, jnp.bfloat16, got, inputs, wants)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     ref = functools.partial(dispatch.write_qkv_attention, **_opts(shape), decode_only=True, implementation="reference")
-    for g, w in zip(ref(kv, _exact_partials(qkv, 4), cos, sin, *meta), ref(kv, qkv, cos, sin, *meta)):
+    for g, w in zip(ref(kv, exact_partials(qkv, 4), cos, sin, *meta), ref(kv, qkv, cos, sin, *meta)):
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     with pytest.raises(ValueError, match="partial products .* must be float32"):
-        f(kv, _exact_partials(qkv, 2).astype(jnp.bfloat16), cos, sin, *meta)
+        f(kv, exact_partials(qkv, 2).astype(jnp.bfloat16), cos, sin, *meta)
 
 
 def test_gpu_write_qkv_attention_lowers_for_cuda_in_place():
@@ -692,7 +686,7 @@ def test_gpu_write_qkv_attention_on_device(case, splits):
         got = gpu.write_qkv_attention(kv, qkv, cos, sin, *meta, **_opts(shape), block_sizes=bs)
         _check_fused(shape, jnp.bfloat16, got, inputs, wants)
         if splits is None:  # qkv as the partial products small decode steps hand it (dispatch.gemv_parts)
-            got = gpu.write_qkv_attention(kv, _exact_partials(qkv, 8), cos, sin, *meta, **_opts(shape))
+            got = gpu.write_qkv_attention(kv, exact_partials(qkv, 8), cos, sin, *meta, **_opts(shape))
             _check_fused(shape, jnp.bfloat16, got, inputs, wants)
 
 

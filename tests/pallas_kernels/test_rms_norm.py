@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.rms_norm import add_rms_norm, ref_add_rms_norm, rms_norm
+from tests.testing.partials import exact_partials
 
 ON_GPU = jax.default_backend() == "gpu"
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
@@ -55,14 +56,6 @@ def test_kernel_matches_reference(T, D, block_rows, dtype):
     assert s.dtype == y.dtype == dtype and s.shape == y.shape == (T, D)
     np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(ws, np.float32))
     assert_norm_close(y, wy, dtype)
-
-
-def exact_partials(x, parts: int, seed: int = 0):
-    """f32[parts, T, D] partial products whose sum is x in any order: x split by dyadic weights
-    (1/2, 1/4, ..., the last two equal), each part exact, every partial sum exact below f32's 24 bits."""
-    w = [0.5 ** (i + 1) for i in range(parts - 1)] + [0.5 ** (parts - 1)]
-    perm = np.random.default_rng(seed).permutation(parts)
-    return jnp.stack([x.astype(jnp.float32) * w[i] for i in perm])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
