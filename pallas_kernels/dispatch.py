@@ -166,6 +166,12 @@ def gemv_partials(x, w, parts: int, *, precision=None) -> jax.Array:
 # at llama3_2_1b's shape it was 8% slower at 128 rows (H200) and 6-16% faster at 256-8,192 (H100 and
 # H200; docs/kernels/swiglu.md).
 SWIGLU_MIN_TOKENS = 256
+# Token buckets up to which the Triton GEMV with the activation in its epilogue (swiglu/gpu.py)
+# replaces XLA's Triton GEMV + activation kernel, in models of hidden size up to SWIGLU_GEMV_MAX_HIDDEN:
+# llama3_2_1b's MLP 0.6-1.5 us a layer faster at 2-16 rows on an H200, llama3_8b's (hidden 4,096)
+# within -0.9..+0.6 us of XLA (docs/kernels/swiglu.md).
+SWIGLU_GEMV_MAX_TOKENS = 16
+SWIGLU_GEMV_MAX_HIDDEN = 2048
 
 
 def select_gemm_impl(mesh: jax.sharding.Mesh) -> str:
@@ -182,14 +188,17 @@ def select_gemm_impl(mesh: jax.sharding.Mesh) -> str:
 def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Array:
     """silu(x @ w[:, 0]) * (x @ w[:, 1]) for x [T, D], w [D, 2, F] -> [T, F] x.dtype.
 
-    implementation: "mosaic_gpu" runs the fused Hopper kernel where it applies (bf16/f16, T a
-    multiple of 128 and at least SWIGLU_MIN_TOKENS, tile-aligned D and F) and the reference
-    elsewhere; "reference" is jnp (XLA)."""
+    implementation: "mosaic_gpu" runs a fused kernel where one applies (bf16/f16 and tile-aligned D
+    and F): the Hopper GEMM for T a multiple of 128 and at least SWIGLU_MIN_TOKENS, the Triton GEMV
+    for T up to SWIGLU_GEMV_MAX_TOKENS and D up to SWIGLU_GEMV_MAX_HIDDEN; the reference elsewhere.
+    "reference" is jnp (XLA)."""
     if implementation == "mosaic_gpu":
-        from pallas_kernels.swiglu import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
+        from pallas_kernels.swiglu import gpu, gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
         if x.shape[0] >= SWIGLU_MIN_TOKENS and gpu_mosaic.supports(x, w):
             return gpu_mosaic.swiglu_mosaic(x, w)
+        if x.shape[0] <= SWIGLU_GEMV_MAX_TOKENS and x.shape[1] <= SWIGLU_GEMV_MAX_HIDDEN and gpu.supports(x, w):
+            return gpu.swiglu_gemv(x, w)
     elif implementation != "reference":
         raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
     return _swiglu.ref_swiglu(x, w, precision=precision)

@@ -1,6 +1,7 @@
 """The SwiGLU up projection: the jnp reference against float64, validation, the Hopper Mosaic GPU
 kernel lowered for CUDA on CPU (Mosaic GPU's interpreter does not run this kernel) and run against
-the reference under `gpu`, and dispatch's fallbacks."""
+the reference under `gpu`, the Triton GEMV for a few rows (interpret mode on CPU, and under `gpu`),
+and dispatch's choice between them and the reference."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.swiglu import ref_swiglu, validate
+from pallas_kernels.swiglu import gpu as gemv
 from pallas_kernels.swiglu.gpu_mosaic import BlockSizes, supports, swiglu_mosaic
 from tests.tolerances import tol
 
@@ -96,6 +98,61 @@ def test_dispatch_reference_and_fallbacks():
         dispatch.swiglu(x, w, implementation="triton")
 
 
+@pytest.mark.parametrize("T, D, F, dtype, bs", [
+    (1, 256, 128, jnp.bfloat16, gemv.BlockSizes(block_n=32, block_k=64)),
+    (2, 192, 64, jnp.float16, gemv.BlockSizes(block_n=16, block_k=128)),  # D 192: k steps of 64
+    (9, 128, 96, jnp.bfloat16, gemv.BlockSizes(block_n=32, block_k=32, num_stages=1)),
+    (16, 64, 128, jnp.bfloat16, gemv.BlockSizes(block_n=64)),
+])
+def test_gemv_kernel_interpret(T, D, F, dtype, bs):
+    x, w = inputs(T, D, F, dtype, seed=T)
+    got = gemv.swiglu_gemv(x, w, block_sizes=bs, interpret=True)
+    assert got.shape == (T, F) and got.dtype == dtype
+    ref = ref_swiglu(x, w)
+    atol, rtol = tol(jnp.bfloat16)  # (f16's rounding is finer)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
+    want = exact(x, w)  # rounded once from f32 accumulators, as the Mosaic kernel
+    err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()  # noqa: E731
+    assert err(got) <= err(ref)
+
+
+@pytest.mark.parametrize("T, D, F, dtype, match", [
+    (17, 128, 128, jnp.bfloat16, "T <= 16"), (0, 128, 128, jnp.bfloat16, "1 <= T"),
+    (2, 128, 128, jnp.float32, "bf16/f16"), (2, 72, 128, jnp.bfloat16, "D a multiple of 16"),
+    (2, 128, 96, jnp.bfloat16, "F of 64"),
+])
+def test_gemv_rejects_what_it_cannot_run(T, D, F, dtype, match):
+    x, w = jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((D, 2, F), dtype)
+    assert not gemv.supports(x, w)
+    with pytest.raises(ValueError, match=match):
+        gemv.swiglu_gemv.trace(x, w)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(block_n=48), "power of two"), (dict(block_k=8), "at least 16"),
+                                           (dict(num_warps=3), "power of two"), (dict(num_stages=0), "positive int")])
+def test_gemv_block_sizes_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gemv.BlockSizes(**kwargs)
+
+
+def test_gemv_contraction_block():
+    bs = gemv.BlockSizes()
+    assert [gemv.contraction_block(D, bs) for D in (2048, 576, 960, 72, 8)] == [128, 64, 64, 0, 0]
+
+
+@pytest.mark.parametrize("T, D, kernel", [(2, 2048, "swiglu_gemv_gpu"), (16, 576, "swiglu_gemv_gpu"),
+                                          (17, 2048, None), (2, 4096, None), (256, 2048, "mosaic_gpu")])
+def test_dispatch_picks_the_kernel_by_rows_and_hidden_size(T, D, kernel):
+    """Under "mosaic_gpu": the Triton GEMV up to SWIGLU_GEMV_MAX_TOKENS rows of models up to
+    SWIGLU_GEMV_MAX_HIDDEN, the Mosaic GEMM from SWIGLU_MIN_TOKENS, XLA between and beyond (lowered
+    for CUDA on this CPU host)."""
+    x, w = jax.ShapeDtypeStruct((T, D), jnp.bfloat16), jax.ShapeDtypeStruct((D, 2, 1536), jnp.bfloat16)
+    fn = jax.jit(lambda x, w: dispatch.swiglu(x, w, implementation="mosaic_gpu"))
+    text = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("swiglu_gemv_gpu" in text) == (kernel == "swiglu_gemv_gpu")
+    assert ("mosaic_gpu" in text) == (kernel == "mosaic_gpu")
+
+
 def test_select_gemm_impl_off_hopper():
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("replica",))
     assert dispatch.select_gemm_impl(mesh) == "reference"
@@ -117,4 +174,19 @@ def test_kernel_on_device(T, D, F, bs):
         # the kernel rounds once, from f32 accumulators; the reference also rounds the GEMM's output
         want = exact(x, w)
         err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()
+        assert err(got) <= err(ref)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("T, D, F", [(2, 2048, 8192), (8, 576, 1536), (16, 960, 2560), (1, 256, 128)])
+def test_gemv_kernel_on_device(T, D, F):
+    for seed in (0, 1):
+        x, w = inputs(T, D, F, jnp.bfloat16, seed=seed)
+        got = gemv.swiglu_gemv(x, w)
+        ref = ref_swiglu(x, w)
+        atol, rtol = tol(jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
+        want = exact(x, w)
+        err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()  # noqa: E731
         assert err(got) <= err(ref)
