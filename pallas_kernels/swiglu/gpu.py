@@ -7,11 +7,10 @@ and fuses the activation into neither GEMM in any formulation measured (docs/ben
 twenty-eighth session). The Mosaic GPU kernel (gpu_mosaic.py) covers 256 rows and more.
 
 Structure: a program per `block_n` output columns. It walks the contraction in `block_k` steps
-(fewer where D needs it, `contraction_block`),
-loading its x rows (padded to 16 in registers, the smallest Triton dot) and the gate and up columns
-of the weight seen as [D, 2F], and keeps two f32 accumulators; the epilogue computes
-silu(gate) * up in f32 and rounds once to x's dtype, as the Mosaic kernel does (the reference
-rounds the GEMM's output first).
+(shorter where D needs it, `contraction_block`), loading its x rows (padded to 16 in registers, the
+smallest Triton dot) and the gate and up columns of the weight seen as [D, 2F], and keeps two f32
+accumulators; the epilogue computes silu(gate) * up in f32 and rounds once to x's dtype, as the
+Mosaic kernel does (the reference rounds the GEMM's output first). Measured: docs/kernels/swiglu.md.
 """
 
 from __future__ import annotations
