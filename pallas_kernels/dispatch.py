@@ -193,12 +193,16 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
     for T up to SWIGLU_GEMV_MAX_TOKENS and D up to SWIGLU_GEMV_MAX_HIDDEN; the reference elsewhere.
     "reference" is jnp (XLA)."""
     if implementation == "mosaic_gpu":
-        from pallas_kernels.swiglu import gpu, gpu_mosaic  # Mosaic GPU imports are heavier; load on use
+        if x.shape[0] >= SWIGLU_MIN_TOKENS:
+            from pallas_kernels.swiglu import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
-        if x.shape[0] >= SWIGLU_MIN_TOKENS and gpu_mosaic.supports(x, w):
-            return gpu_mosaic.swiglu_mosaic(x, w)
-        if x.shape[0] <= SWIGLU_GEMV_MAX_TOKENS and x.shape[1] <= SWIGLU_GEMV_MAX_HIDDEN and gpu.supports(x, w):
-            return gpu.swiglu_gemv(x, w)
+            if gpu_mosaic.supports(x, w):
+                return gpu_mosaic.swiglu_mosaic(x, w)
+        elif x.shape[0] <= SWIGLU_GEMV_MAX_TOKENS and x.shape[1] <= SWIGLU_GEMV_MAX_HIDDEN:
+            from pallas_kernels.swiglu import gpu
+
+            if gpu.supports(x, w):
+                return gpu.swiglu_gemv(x, w)
     elif implementation != "reference":
         raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
     return _swiglu.ref_swiglu(x, w, precision=precision)

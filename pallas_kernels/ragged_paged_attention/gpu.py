@@ -59,7 +59,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
     write_kv_cost_estimate,
 )
-from pallas_kernels.triton_tiles import next_pow2
+from pallas_kernels.triton_tiles import load_parts, next_pow2
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -252,17 +252,11 @@ def _kernel(
             cos, sin = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0)
                         for ref in (cos_ref, sin_ref))
 
-            part_rows = q_ref.shape[0] // qkv_parts
-
             def load(src, cc):
                 # The projection's rows; from partial products (qkv_parts > 1), their f32 sum rounded
-                # to the cache's dtype, which is the model's: what the GEMV would have written.
-                x = plgpu.load(q_ref.at[src[:, None], cc], mask=row_ok[:, None], other=0.0).astype(f32)
-                if qkv_parts > 1:
-                    for p in range(1, qkv_parts):
-                        x += plgpu.load(q_ref.at[src[:, None] + p * part_rows, cc], mask=row_ok[:, None], other=0.0)
-                    x = x.astype(kv_ref.dtype).astype(f32)
-                return x
+                # to the cache's dtype, which is the model's.
+                return load_parts(q_ref, src[:, None], cc, parts=qkv_parts, part_rows=q_ref.shape[0] // qkv_parts,
+                                  mask=row_ok[:, None], dtype=kv_ref.dtype)
 
             def rope(src):
                 x, xp = load(src, cols), load(src, partner)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.rms_norm.reference import validate
-from pallas_kernels.triton_tiles import next_pow2
+from pallas_kernels.triton_tiles import load_parts, next_pow2
 
 
 def default_block_rows(T: int, D: int) -> int:
@@ -39,11 +39,7 @@ def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: 
     # Masked lanes index distinct rows past the array: interpret mode writes back every indexed
     # element of a masked store (a no-op on the GPU) and drops only out-of-range ones.
     idx = (jnp.where(ok, rows[:, None], T + rows[:, None]), col[None, :])
-    x = plgpu.load(x_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
-    if parts > 1:
-        for p in range(1, parts):
-            x += plgpu.load(x_ref.at[(idx[0] + p * T, idx[1])], mask=ok, other=0.0)
-        x = x.astype(r_ref.dtype).astype(jnp.float32)  # the projection's output dtype
+    x = load_parts(x_ref, *idx, parts=parts, part_rows=T, mask=ok, dtype=r_ref.dtype)  # the projection's dtype
     r = plgpu.load(r_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
     s = (x + r).astype(sum_ref.dtype)
     plgpu.store(sum_ref.at[idx], s, mask=ok)
