@@ -38,6 +38,17 @@ def exact(x, w) -> np.ndarray:
     return g / (1 + np.exp(-g)) * u
 
 
+def check_kernel_output(got, x, w):
+    """A kernel's bf16 output: close to the reference, and at least as close to float64 (the kernels
+    round once, from f32 accumulators; the reference also rounds the GEMM's output)."""
+    ref = ref_swiglu(x, w)
+    atol, rtol = tol(jnp.bfloat16)  # (f16's rounding is finer)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
+    want = exact(x, w)
+    err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()  # noqa: E731
+    assert err(got) <= err(ref)
+
+
 def test_reference_matches_float64():
     x, w = inputs(7, 48, 40, jnp.float32)
     got = ref_swiglu(x, w, precision=jax.lax.Precision.HIGHEST)
@@ -108,12 +119,7 @@ def test_gemv_kernel_interpret(T, D, F, dtype, bs):
     x, w = inputs(T, D, F, dtype, seed=T)
     got = gemv.swiglu_gemv(x, w, block_sizes=bs, interpret=True)
     assert got.shape == (T, F) and got.dtype == dtype
-    ref = ref_swiglu(x, w)
-    atol, rtol = tol(jnp.bfloat16)  # (f16's rounding is finer)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
-    want = exact(x, w)  # rounded once from f32 accumulators, as the Mosaic kernel
-    err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()  # noqa: E731
-    assert err(got) <= err(ref)
+    check_kernel_output(got, x, w)
 
 
 @pytest.mark.parametrize("T, D, F, dtype, match", [
@@ -168,13 +174,7 @@ def test_kernel_on_device(T, D, F, bs):
         x, w = inputs(T, D, F, jnp.bfloat16, seed=seed)
         got = swiglu_mosaic(x, w, block_sizes=bs)
         assert got.shape == (T, F) and got.dtype == jnp.bfloat16
-        ref = ref_swiglu(x, w)
-        atol, rtol = tol(jnp.bfloat16)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
-        # the kernel rounds once, from f32 accumulators; the reference also rounds the GEMM's output
-        want = exact(x, w)
-        err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()
-        assert err(got) <= err(ref)
+        check_kernel_output(got, x, w)
 
 
 @pytest.mark.gpu
@@ -183,10 +183,4 @@ def test_kernel_on_device(T, D, F, bs):
 def test_gemv_kernel_on_device(T, D, F):
     for seed in (0, 1):
         x, w = inputs(T, D, F, jnp.bfloat16, seed=seed)
-        got = gemv.swiglu_gemv(x, w)
-        ref = ref_swiglu(x, w)
-        atol, rtol = tol(jnp.bfloat16)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=rtol)
-        want = exact(x, w)
-        err = lambda y: np.abs(np.asarray(y, np.float64) - want).max()  # noqa: E731
-        assert err(got) <= err(ref)
+        check_kernel_output(gemv.swiglu_gemv(x, w), x, w)
