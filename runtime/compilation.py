@@ -392,6 +392,20 @@ class StepExecutor:
                                        prev_burst, batch.needs, history_chunk=self._history_chunk)
         return tokens, tokens, logprobs, kv_pages
 
+    def model_step_fn(self, batch: PackedBatch) -> Callable:
+        """The model program of `batch`'s bucket with its arguments already on the device, as a
+        function of the KV pool returning (logits, greedy tokens, kv_pages) (kv_pages is donated):
+        the device's share of a single step, without the batch's host transfer or a sampler, for
+        benchmarks (scripts/bench_decode.py). The page table is synced to the batch first. A
+        program warmup did not compile is compiled as `__call__` would."""
+        if batch.steps > 1:
+            raise ValueError(f"a burst of {batch.steps} steps has no single model program")
+        self.sync_pages(batch)
+        model = self._executable(self.model_key(batch.layout.T, batch.layout.S, batch.decode_only))
+        flat, rows = jax.device_put((batch.flat, batch.rows), self._batch_sharding)
+        leaves, prev, table = self._param_leaves, self._no_prev, self.page_table
+        return lambda kv_pages: model(leaves, kv_pages, flat, rows, prev, table)
+
     def sync_pages(self, batch: PackedBatch) -> None:
         """Bring the device's page table up to `batch.pages`: per row, the pages past those it holds
         under the same lease, or the whole list when the lease changed (the slot's sequence is new,

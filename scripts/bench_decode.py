@@ -241,9 +241,8 @@ def run_child(args) -> dict:
             row = {"model": name, "batch": B, "ctx": args.ctx, "bytes_per_step": bytes_step,
                    "floor_s": bytes_step / bw}
             hb = make_batch(B)
-            db = jax.device_put(model_batch(hb), ex._batch_sharding)  # the model column's arguments
-            ex.sync_pages(hb)  # the step column's: the packed batch, the device's page table
-            dflat = (*jax.device_put((hb.flat, hb.rows), ex._batch_sharding), ex._no_prev, ex.page_table)
+            db = jax.device_put(model_batch(hb))  # the model column's arguments (one device)
+            step_fn = ex.model_step_fn(hb)  # the step column's program, its arguments on the device
             measured, disp = {}, {}
             if ("model", B) in compiled:
                 exe = compiled[("model", B)]
@@ -252,10 +251,9 @@ def run_child(args) -> dict:
                     return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
 
                 measured["model"], kv, disp["model"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
-            exe = compiled[("step", B)]
 
-            def call(kv, exe=exe, dflat=dflat):
-                return exe(ex._param_leaves, kv, *dflat)[2]
+            def call(kv, step_fn=step_fn):
+                return step_fn(kv)[2]
 
             measured["step"], kv, disp["step"] = timed_loop(call, kv, min_rep_s=args.min_rep_s, reps=args.reps)
 
@@ -270,15 +268,17 @@ def run_child(args) -> dict:
                 row[f"{k}_dispatch_s"] = disp[k]
             if args.profile and B in args.profile_batches:
                 prof = {}
-                for k, exe in (("model", compiled.get(("model", B))), ("step", compiled[("step", B)])):
-                    if exe is None:
-                        continue
+                for k in ("model", "step"):
                     if k == "model":
+                        exe = compiled.get(("model", B))
+                        if exe is None:
+                            continue
+
                         def call(kv, exe=exe, db=db):
                             return exe(loaded.params, kv, db.tokens, db.positions, db.attn, db.logits_indices)[1]
                     else:
-                        def call(kv, exe=exe, dflat=dflat):
-                            return exe(ex._param_leaves, kv, *dflat)[2]
+                        def call(kv, step_fn=step_fn):
+                            return step_fn(kv)[2]
                     try:
                         prof[k], kv = profile_kernels(call, kv, 20, f"{args.profile}/{name}_B{B}_{k}")
                     except Exception as e:  # a failed trace is a result, not a crash

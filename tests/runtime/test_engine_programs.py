@@ -205,3 +205,40 @@ def test_decode_only_single_steps_run_the_decode_program(monkeypatch):
     finally:
         plain.close()
         decoding.close()
+
+
+def test_model_step_fn_runs_the_executors_model_program():
+    """StepExecutor.model_step_fn (the device's share of a step: scripts/bench_decode.py's step
+    column) runs the program the executor's call runs for the same batch, with the same arguments:
+    the greedy tokens and the KV pool it writes equal the call's. A burst has no such program."""
+    import jax
+
+    eng = Engine(scaled_dummy(), EngineConfig(**BASE))
+    try:
+        ex, ctx = eng.executor, 5
+        T, S = min(eng.buckets.decode_pairs(), key=lambda p: p[1])  # the decode bucket of 2 sequences
+        assert S == 2
+        b = eng.packer.empty(T, S, history=0)
+        b.decode_only = True
+        st = b.step  # views into b.flat
+        st.tokens[:S] = [3, 7]  # the bucket's other tokens are padding
+        st.positions[:S] = ctx
+        st.attn.kv_lens[:] = ctx + 1
+        st.attn.cu_q_lens[:] = np.arange(S + 1)
+        st.attn.num_seqs[0] = S
+        st.logits_indices[:] = np.arange(S)
+        st.page_rows[:] = np.arange(S)
+        b.pages = ((0, 1, (4,)), (1, 1, (9,)))  # (row, lease, pages): one page each holds positions 0-5
+        kv, eng.kv_pages = eng.kv_pages, None
+        tokens, _, _, kv = ex(eng.model.params, kv, b)
+        want_kv = [np.asarray(x) for x in jax.tree.leaves(kv)]
+        _, greedy, kv = ex.model_step_fn(b)(kv)  # writes the same K/V rows again
+        np.testing.assert_array_equal(np.asarray(greedy)[:S], np.asarray(tokens)[:S])
+        for got, want in zip(jax.tree.leaves(kv), want_kv, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        assert ex.num_compiles_after_warmup == 0
+        eng.kv_pages = kv
+        with pytest.raises(ValueError, match="burst"):
+            ex.model_step_fn(replace(b, steps=2))
+    finally:
+        eng.close()
