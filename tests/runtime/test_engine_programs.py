@@ -213,7 +213,7 @@ def test_model_step_fn_runs_the_executors_model_program():
     the greedy tokens and the KV pool it writes equal the call's. A burst has no such program."""
     import jax
 
-    eng = Engine(scaled_dummy(), EngineConfig(**BASE))
+    eng = Engine(scaled_dummy(), EngineConfig(**BASE, num_pages=32))  # a small pool: it is compared on the host
     try:
         ex, ctx = eng.executor, 5
         T, S = min(eng.buckets.decode_pairs(), key=lambda p: p[1])  # the decode bucket of 2 sequences
