@@ -38,10 +38,12 @@ from models.attention import AttentionMetadata
 from runtime.request import SamplingParams
 from runtime.sampling import (Logprobs, SamplingBatch, SamplingNeeds, advance_rows, apply_penalties, bias_columns,
                               HISTORY_CHUNK, burst_history_placeholder, count_sampled, empty_rows, greedy,
-                              history_placeholder, pad_slots, pick, put_bias_rows, put_request_rows, request_row,
-                              sampled_logprobs, sampling_rows, split_seed)
+                              history_placeholder, pad_slots, pick, put_banned, put_bias_rows, put_positions,
+                              put_request_rows, request_row, sampled_logprobs, sampling_rows, split_seed)
 from runtime.plan import StepPlan
 
+
+_NO_NEEDS = SamplingNeeds()  # what a step without sampling rows needs (frozen: shared)
 
 class StepBatch(NamedTuple):
     """The model's inputs for one bucket (the sampling rows travel separately: runtime/sampling.py)."""
@@ -291,6 +293,7 @@ class BatchPacker:
         self.max_banned = max_banned  # NB
         self.select_bucket = select_bucket  # (num_tokens, num_seqs) -> (T, S)
         self.slots = slots  # rows of every program's tokens (the largest seq bucket)
+        self._counts = np.arange(slots + 1, dtype=np.int32)  # cu_q_lens of a decode-only step: 0, 1, ..., n
 
     def empty(self, T: int, S: int, *, history: int = 1) -> PackedBatch:
         """An all-padding batch of bucket (T, S): the abstract shapes warmup compiles, with a
@@ -301,7 +304,7 @@ class BatchPacker:
             flat=np.zeros(layout.size, np.int32),
             rows=empty_rows(S, self.max_banned),
             history=np.full((S, history * self.history_chunk), -1, np.int32) if history else None,
-            needs=SamplingNeeds(),
+            needs=_NO_NEEDS,
         )
 
     def pack(self, plan: StepPlan, sampling: Callable[[str], SeqSampling]) -> PackedBatch:
@@ -327,18 +330,19 @@ class BatchPacker:
         out = self.empty(T, S, history=max(1, -(-need // self.history_chunk)) if histories else 0)
         out.steps = K
         out.decode_only = plan.num_prefill_tokens == 0
-        b, sb = out.step, out.sampling
+        b = out.step
         m = b.attn
+        # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
+        d = plan.num_decode_tokens // K
         # Per-sequence values are gathered into lists and written with one numpy assignment each
         # (a Python loop of numpy scalar writes cost ~10 us per sequence at 256 sequences).
         if n:
-            cu = np.cumsum([seq.q_len for seq in seqs], dtype=np.int32)
+            # decodes only (a token each): the token counts' cumulative sums are 1, ..., n
+            cu = self._counts[1 : n + 1] if d == n else np.cumsum([seq.q_len for seq in seqs], dtype=np.int32)
             m.cu_q_lens[1 : n + 1] = cu
-            m.cu_q_lens[n + 1 :] = cu[-1]
+            m.cu_q_lens[n + 1 :] = n if d == n else cu[-1]
             b.logits_indices[:n] = cu - 1
             m.kv_lens[:n] = after
-        # Decodes come first in a plan, one token each: their tokens and positions are two list writes.
-        d = plan.num_decode_tokens // K
         if d:
             b.tokens[:d] = [seq.token_ids[0] for seq in seqs[:d]]
             b.positions[:d] = [seq.start_pos for seq in seqs[:d]]
@@ -359,11 +363,11 @@ class BatchPacker:
         biased = [i for i in rows if samp[i].bias is not None]
         if biased:
             put_bias_rows(out.rows, biased, [samp[i].bias for i in biased])
-        sb.positions[rows] = [after[i] for i in rows]  # the index the sampled token will have
+        put_positions(out.rows, rows, [after[i] for i in rows])  # the index the sampled token will have
         for i in rows:
             s = samp[i]
             if after[i] < s.ban_before:  # below min_tokens (a burst lifts the ban where met: advance_rows)
-                sb.banned[i, : len(s.stop_ids)] = s.stop_ids
+                put_banned(out.rows, i, s.stop_ids)
         for (i, h), stop in zip(histories, stops):
             token, end = seqs[i].token_ids[-1], samp[i].history_len
             out.history[i, :end] = h[:end]

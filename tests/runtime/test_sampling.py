@@ -12,7 +12,8 @@ import pytest
 
 from runtime.request import MAX_LOGIT_BIAS
 from runtime.sampling import (SamplingNeeds, count_penalties, empty_rows, greedy, history_placeholder, pad_slots,
-                              run_sampler, sampler_programs, sampling_rows, split_seed, top_k, top_k_method)
+                              put_banned, put_positions, run_sampler, sampler_programs, sampling_rows, split_seed,
+                              top_k, top_k_method)
 
 S, V, W, NB, M = 4, 64, 16, 4, 5
 SLOTS = 6  # the engine's largest seq bucket (at least): every program's tokens are padded to it
@@ -373,3 +374,18 @@ def test_split_seed():
     assert split_seed(5) == (5, 0)
     assert split_seed(2**32 + 7) == (7, 1)
     assert split_seed(-1) == (2**32 - 1, 2**32 - 1)
+
+
+def test_put_positions_and_banned_write_the_named_columns():
+    """The packer's per-step writes by column land where the named views (sampling_rows) read them,
+    and nowhere else."""
+    rows = empty_rows(4, 3)
+    before = rows.copy()
+    put_positions(rows, [1, 3], [7, 9])
+    put_banned(rows, 2, np.array([5, 6], np.int32))
+    v = sampling_rows(rows)
+    assert v.positions.tolist() == [0, 7, 0, 9]
+    assert v.banned.tolist() == [[-1] * 3, [-1] * 3, [5, 6, -1], [-1] * 3]
+    changed = np.argwhere(rows != before).tolist()
+    pos = sampling_rows(np.arange(rows.size, dtype=np.int32).reshape(rows.shape)).positions[0]  # its column
+    assert sorted(changed) == [[1, pos], [2, rows.shape[1] - 3], [2, rows.shape[1] - 2], [3, pos]]
