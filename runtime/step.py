@@ -45,6 +45,7 @@ from runtime.plan import StepPlan
 
 _NO_NEEDS = SamplingNeeds()  # what a step without sampling rows needs (frozen: shared)
 
+
 class StepBatch(NamedTuple):
     """The model's inputs for one bucket (the sampling rows travel separately: runtime/sampling.py)."""
 
