@@ -341,7 +341,7 @@ class BatchPacker:
             # decodes only (a token each): the token counts' cumulative sums are 1, ..., n
             cu = self._counts[1 : n + 1] if d == n else np.cumsum([seq.q_len for seq in seqs], dtype=np.int32)
             m.cu_q_lens[1 : n + 1] = cu
-            m.cu_q_lens[n + 1 :] = n if d == n else cu[-1]
+            m.cu_q_lens[n + 1 :] = cu[-1]
             b.logits_indices[:n] = cu - 1
             m.kv_lens[:n] = after
         if d:

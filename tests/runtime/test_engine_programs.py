@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import jax
 import numpy as np
 import pytest
 
@@ -211,8 +212,6 @@ def test_model_step_fn_runs_the_executors_model_program():
     """StepExecutor.model_step_fn (the device's share of a step: scripts/bench_decode.py's step
     column) runs the program the executor's call runs for the same batch, with the same arguments:
     the greedy tokens and the KV pool it writes equal the call's. A burst has no such program."""
-    import jax
-
     eng = Engine(scaled_dummy(), EngineConfig(**BASE, num_pages=32))  # a small pool: it is compared on the host
     try:
         ex, ctx = eng.executor, 5
