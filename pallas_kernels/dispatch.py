@@ -134,20 +134,35 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
 GEMV_PARTS = {"qkv": 4, "o": 4, "down": 8}
 GEMV_PARTIALS_MAX_ROWS = 8  # the engine's batch-1 programs (1 token, 2 rows: LlamaModel pads it)
 GEMV_PARTIALS_MAX_HIDDEN = 2048
+# Decode-only steps of DOWN_PARTS_ROWS rows (the buckets whose programs use cuBLAS by default,
+# EngineConfig.gpu_cublas_min_tokens, up to the largest measured) leave the MLP's down projection as
+# partial products too: cuBLAS splits that contraction itself at these rows and then runs a reduce
+# kernel (3.1-3.6 us at 256 rows of llama3_2_1b on an H200); a batched GEMM over the parts runs
+# without it, and add_rms_norm sums them. Down + add_rms_norm, H200 (docs/benchmarks.md,
+# thirty-second session): llama3_2_1b 23.2 -> 18.0 us a layer at 256 rows with 4 parts, 16.3 -> 13.9
+# at 128, 15.1 -> 12.9 at 64; llama3_8b 49.7 -> 46.4 at 256 and 42.1 -> 39.4 at 128 with 2 parts
+# (4 were no better there, and at 64 rows 2 were 0.6 us slower). q/k/v (read by the attention
+# kernel, which then ran slower) and o (<= 0.3 us faster at 128-256 rows) stay single products.
+DOWN_PARTS_ROWS = (64, 256)
 
 
 def gemv_parts(name: str, rows: int, contraction: int, hidden: int, *, decode_only: bool, attn_impl: str,
                gemm_impl: str) -> int:
     """How many partial products to leave for projection `name` ("qkv", "o" or "down") of `rows`
-    rows over `contraction`, in a model of `hidden` size: GEMV_PARTS[name] in decode-only steps of
-    at most GEMV_PARTIALS_MAX_ROWS rows of a model of at most GEMV_PARTIALS_MAX_HIDDEN on one Hopper
-    GPU (gemm_impl "mosaic_gpu") whose attention and norms run the GPU kernels, when the parts divide
-    the contraction (then gemv_partials); else 1 (one product, x @ w)."""
-    parts = GEMV_PARTS[name]
-    small = decode_only and rows <= GEMV_PARTIALS_MAX_ROWS and hidden <= GEMV_PARTIALS_MAX_HIDDEN
-    if not small or attn_impl != "gpu" or gemm_impl != "mosaic_gpu" or contraction % parts:
+    rows over `contraction`, in a model of `hidden` size, on one Hopper GPU (gemm_impl "mosaic_gpu")
+    whose attention and norms run the GPU kernels, in decode-only steps: GEMV_PARTS[name] at most
+    GEMV_PARTIALS_MAX_ROWS rows of a model of at most GEMV_PARTIALS_MAX_HIDDEN; for "down" at
+    DOWN_PARTS_ROWS rows, 4 (hidden <= 2048) or 2 (larger models, from 128 rows). The parts must
+    divide the contraction (then gemv_partials); else 1 (one product, x @ w)."""
+    if not decode_only or attn_impl != "gpu" or gemm_impl != "mosaic_gpu":
         return 1
-    return parts
+    if rows <= GEMV_PARTIALS_MAX_ROWS and hidden <= GEMV_PARTIALS_MAX_HIDDEN:
+        parts = GEMV_PARTS[name]
+    elif name == "down" and DOWN_PARTS_ROWS[0] <= rows <= DOWN_PARTS_ROWS[1]:
+        parts = 4 if hidden <= GEMV_PARTIALS_MAX_HIDDEN else 2 if rows >= 128 else 1
+    else:
+        return 1
+    return parts if contraction % parts == 0 else 1
 
 
 def gemv_partials(x, w, parts: int, *, precision=None) -> jax.Array:

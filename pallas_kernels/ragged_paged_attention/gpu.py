@@ -19,10 +19,10 @@ Work decomposition (all static shapes, so one compile serves every batch of a gi
     prefill chunks the blocks every row sees whole (below the diagonal) go first, in a loop with
     no mask;
   * kv_splits > 1 divides each item's key range among programs (flash-decoding); each writes a
-    normalised partial output and its log-sum-exp, merged by a second small kernel (a program per
-    output row, reading only the splits that held keys, zeros for padding tokens). That is what
-    fills the GPU when there are few sequences and long contexts (8 x 32k: 64 (item, head)
-    programs for 132 SMs without it).
+    normalised partial output and its log-sum-exp (zeros and -inf where it saw no key), merged by a
+    second small kernel (a program per output row, all its loads issued at once, zeros for padding
+    tokens). That is what fills the GPU when there are few sequences and long contexts (8 x 32k:
+    64 (item, head) programs for 132 SMs without it).
 Softmax uses exp2 with log2(e) folded into the scale. f32 inputs use IEEE f32 dots (Triton's f32
 default is TF32, ~1e-3 relative error).
 
@@ -97,8 +97,8 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
     items = max(min(S, T), pl.cdiv(T, bq))
     splits = next_pow2(pl.cdiv(2 * _num_sms(), items * K))
     # At most one split per key block of the longest sequence the table holds (it was one per four
-    # blocks). Each sequence's blocks are dealt to its first splits at run time and the merge reads
-    # only those, so the splits a short context leaves empty cost little: llama3_2_1b at batch 1
+    # blocks). Each sequence's blocks are dealt to its first splits at run time; the programs of the
+    # splits a short context leaves empty end at once, so they cost little: llama3_2_1b at batch 1
     # over 512 keys of a 592-key table, attention + merge took 5.9 us a layer with 10 splits against
     # 8.2 with 3 and XLA's merge (H100, docs/benchmarks.md "eighteenth session").
     splits = max(1, min(splits, pl.cdiv(keys_per_seq, ppb * G)))
@@ -441,27 +441,31 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
 def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
                   splits_pow2: int):
     """One output row (a token's q head): its kv_splits partial outputs weighted by their
-    exp2(log-sum-exp), read in one masked load. A split that saw no key wrote lse = -inf and its
-    partial is not read; neither is anything of a padding token (never written): its row is 0."""
+    exp2(log-sum-exp). Every load is issued at once, none waiting on another: every split program of a
+    real token stored its partial (zeros and lse = -inf where it saw no key), and a padding token's
+    partials (never written) are read but replaced by zeros at the end, so the kernel's dependent
+    round trips are the loads, then the store."""
     row = pl.program_id(0)
     t = lax.div(row, num_heads)
-    real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
     sp = jnp.arange(splits_pow2, dtype=jnp.int32)
     src = sp * (lse_ref.shape[0] // splits) + row  # row `row` of each split in the flat [splits * T * N] partials
-    lse = plgpu.load(lse_ref.at[src], mask=(sp < splits) & real, other=-jnp.inf)
-    used = lse > -jnp.inf
-    m = jnp.max(lse)
-    w = jnp.where(used, jnp.exp2(lse - jnp.where(m > -jnp.inf, m, 0.0)), 0.0)
     cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
-    o = plgpu.load(o_ref.at[src[:, None], cols[None, :]], mask=used[:, None], other=0.0)
-    out = jnp.sum(w[:, None] * o, axis=0) / jnp.maximum(jnp.sum(w), 1e-30)
+    lse = plgpu.load(lse_ref.at[src], mask=sp < splits, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[src[:, None], cols[None, :]], mask=(sp < splits)[:, None], other=0.0)
+    real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
+    used = real & (lse > -jnp.inf)
+    m = jnp.max(jnp.where(used, lse, -jnp.inf))
+    w = jnp.where(used, jnp.exp2(lse - jnp.where(m > -jnp.inf, m, 0.0)), 0.0)
+    out = jnp.sum(jnp.where(used[:, None], w[:, None] * o, 0.0), axis=0) / jnp.maximum(jnp.sum(w), 1e-30)
     plgpu.store(out_ref.at[row * o_ref.shape[1] + cols], out.astype(out_ref.dtype))
 
 
 def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, interpret: bool):
     """One launch, a program per output row: [kv_splits, T * N, H] f32 partials -> [T * N, H]
-    dtype, reading only the splits that hold keys (at a 512-token context and 64 splits, 8), where
-    XLA's merge read and reduced every split in three or four kernels (docs/benchmarks.md)."""
+    dtype, where XLA's merge read and reduced every split in three or four kernels
+    (docs/benchmarks.md). Loading every split's partial with the log-sum-exps, rather than after them
+    and only where they hold keys, took the kernel from 1.65 to 1.43 us at llama3_2_1b's batch 1 over
+    512 keys (10 splits; H200, docs/benchmarks.md "thirty-second session")."""
     splits, TN, H = o_part.shape
     kernel = functools.partial(_merge_kernel, num_heads=num_heads, splits=splits, splits_pow2=next_pow2(splits))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

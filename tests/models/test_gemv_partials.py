@@ -30,7 +30,7 @@ def test_gemv_partials_sum_to_the_product():
             dispatch.gemv_partials(x, w, parts)
 
 
-def test_gemv_parts_only_for_batch_1_decode_of_small_models_on_one_hopper_gpu():
+def test_gemv_parts_only_for_small_decode_steps_on_one_hopper_gpu():
     small = dict(decode_only=True, attn_impl="gpu", gemm_impl="mosaic_gpu")
     n, hidden = dispatch.GEMV_PARTIALS_MAX_ROWS, dispatch.GEMV_PARTIALS_MAX_HIDDEN
     for name, parts in dispatch.GEMV_PARTS.items():
@@ -42,6 +42,23 @@ def test_gemv_parts_only_for_batch_1_decode_of_small_models_on_one_hopper_gpu():
         assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "decode_only": False}) == 1
         assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "attn_impl": "reference"}) == 1  # no summing
         assert dispatch.gemv_parts(name, 1, 2048, hidden, **{**small, "gemm_impl": "reference"}) == 1  # CPU, TPU, meshes
+
+
+def test_gemv_parts_for_the_down_projection_of_decode_steps_of_cublas_buckets():
+    """From 64 to 256 rows only the MLP's down projection leaves parts: 4 in small models, 2 in larger
+    ones from 128 rows; none outside those rows, in steps with prefill tokens, or off one Hopper GPU."""
+    small = dict(decode_only=True, attn_impl="gpu", gemm_impl="mosaic_gpu")
+    lo, hi = dispatch.DOWN_PARTS_ROWS
+    for rows in (lo, 128, hi):
+        assert dispatch.gemv_parts("down", rows, 8192, 2048, **small) == 4  # llama3_2_1b
+        assert dispatch.gemv_parts("down", rows, 14336, 4096, **small) == (2 if rows >= 128 else 1)  # llama3_8b
+        assert dispatch.gemv_parts("down", rows, 8190, 2048, **small) == 1  # 4 does not divide it
+        for name in ("qkv", "o"):
+            assert dispatch.gemv_parts(name, rows, 2048, 2048, **small) == 1
+        assert dispatch.gemv_parts("down", rows, 8192, 2048, **{**small, "decode_only": False}) == 1
+        assert dispatch.gemv_parts("down", rows, 8192, 2048, **{**small, "gemm_impl": "reference"}) == 1
+    for rows in (dispatch.GEMV_PARTIALS_MAX_ROWS + 1, lo - 1, hi + 1):
+        assert dispatch.gemv_parts("down", rows, 8192, 2048, **small) == 1
 
 
 @pytest.mark.parametrize("case", ["llama3_rope_scaling", "qwen3_qk_norm", "qwen2_qkv_bias"])
