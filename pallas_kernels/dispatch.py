@@ -139,8 +139,8 @@ GEMV_PARTIALS_MAX_HIDDEN = 2048
 # partial products too: cuBLAS splits that contraction itself at these rows and then runs a reduce
 # kernel (3.1-3.6 us at 256 rows of llama3_2_1b on an H200); a batched GEMM over the parts runs
 # without it, and add_rms_norm sums them. Down + add_rms_norm, H200 (docs/benchmarks.md,
-# thirty-second session): llama3_2_1b 23.2 -> 18.0 us a layer at 256 rows with 4 parts, 16.3 -> 13.9
-# at 128, 15.1 -> 12.9 at 64; llama3_8b 49.7 -> 46.4 at 256 and 42.1 -> 39.4 at 128 with 2 parts
+# thirty-second session): llama3_2_1b 23.2 -> 17.8 us a layer at 256 rows with 4 parts, 16.3 -> 13.9
+# at 128, 15.1 -> 12.9 at 64; llama3_8b 49.7 -> 46.4 at 256 and 39.3 -> 36.6 at 128 with 2 parts
 # (4 were no better there, and at 64 rows 2 were 0.6 us slower). q/k/v (read by the attention
 # kernel, which then ran slower) and o (<= 0.3 us faster at 128-256 rows) stay single products.
 DOWN_PARTS_ROWS = (64, 256)
