@@ -303,7 +303,8 @@ def run_child(args) -> dict:
                   f"(median of {len(gaps)} step intervals)", flush=True)
         if 1 in batches and not args.no_engine and args.decode_steps > 1:
             # the same loop with decode bursts: its own small engine (the pool of one sequence)
-            del engine, kv
+            engine = kv = None  # the single-step engine's pool freed before the burst engine's (rebound, not
+            # deleted: the closures above read these names)
             K = args.decode_steps
             burst_len = args.max_model_len or -(-(args.ctx + 4 * eng_steps + 8) // G) * G
             bcfg = dataclasses.replace(
@@ -320,7 +321,7 @@ def run_child(args) -> dict:
             print(f"{name}: engine.step() batch-1 decode with bursts of {K}: {1 / t:.1f} tok/s, MBU "
                   f"{row['engine_burst_mbu']:.1%} ({n1 - n0} tokens in {t1 - t0:.3f} s)", flush=True)
             kv = None
-        del engine, kv, loaded, compiled, jobs, ex
+        engine = kv = loaded = compiled = jobs = ex = None  # this model's device memory freed before the next's
         import gc
 
         gc.collect()

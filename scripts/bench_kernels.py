@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, ref_flash_attention  # noqa: E402
 

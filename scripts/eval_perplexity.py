@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
     }
     print()
-    print(f"| model | tokens scored | context/stride | perplexity | wall |")
+    print("| model | tokens scored | context/stride | perplexity | wall |")
     print(f"| {cfg.name} | {scored} | {C}/{args.stride} | {result['perplexity']:.4f} | {wall:.0f}s |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
