@@ -283,7 +283,7 @@ def test_gpu_merge_of_mostly_empty_splits():
     """Batch-1-like decode with a wide page table: 8 splits of 16-key blocks over contexts of 1 to
     128 keys (the short ones leave most splits empty, the longest fills all 8), a 3-token chunk
     whose rows see different splits, and padding tokens (their partials are never written: the
-    merge must neither read them nor leave them unwritten)."""
+    merge must keep them out of every output and write the padding rows)."""
     shape = Shape(N=6, K=2, H=64, T=12, S=4, P_max=8)  # 6 q heads: the merge pads rows to 8
     args, n_real = make_inputs(shape, Batch((1, 3, 1, 1), (128, 20, 1, 47)), jnp.bfloat16, seed=11)
     bs = BlockSizes(q_tokens_per_block=1, kv_pages_per_block=1, kv_splits=8)
@@ -294,6 +294,29 @@ def test_gpu_merge_of_mostly_empty_splits():
     assert (out[n_real:] == 0).all()
     # the default for one decode token over a 128-key table: a split per 64-key block (was 1)
     assert gpu.default_block_sizes(args[0][:1], args[1], args[3]).kv_splits == 2
+
+
+def test_gpu_merge_keeps_unwritten_partials_out():
+    """The merge loads every split's partial at once, before it knows which hold keys: NaN in the
+    partials of splits that saw no key (lse -inf), and whatever padding tokens' rows hold (never
+    written: before cu_q_lens[0] and from cu_q_lens[num_seqs] on; NaN or finite garbage), reach no
+    output. A real row is the lse-weighted mean of the splits that hold keys, a padding row zeros."""
+    splits, T, N, H = 3, 5, 2, 16
+    rng = np.random.default_rng(4)
+    o = rng.standard_normal((splits, T * N, H)).astype(np.float32)
+    lse = rng.standard_normal((splits, T * N)).astype(np.float32)
+    cu_q_lens, num_seqs = np.array([1, 2, 4, 4], np.int32), np.array([2], np.int32)  # real tokens 1-3
+    lse[1:, N:2 * N], o[1:, N:2 * N] = -np.inf, np.nan  # token 1: only split 0 saw keys
+    o[:, :N], lse[:, :N] = np.nan, np.nan  # padding token 0: NaN; padding token 4 keeps finite garbage
+    out = np.asarray(gpu._merge_splits(jnp.asarray(o), jnp.asarray(lse), jnp.asarray(cu_q_lens),
+                                       jnp.asarray(num_seqs), num_heads=N, dtype=jnp.float32, interpret=True))
+    want = np.zeros((T * N, H), np.float32)
+    for row in range(N, 4 * N):
+        used = np.isfinite(lse[:, row])
+        w = np.exp2(lse[used, row] - lse[used, row].max())
+        want[row] = (w[:, None] * o[used, row]).sum(0) / w.sum()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
