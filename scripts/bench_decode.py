@@ -320,7 +320,6 @@ def run_child(args) -> dict:
                        engine_burst_tokens_timed=n1 - n0, decode_steps=K)
             print(f"{name}: engine.step() batch-1 decode with bursts of {K}: {1 / t:.1f} tok/s, MBU "
                   f"{row['engine_burst_mbu']:.1%} ({n1 - n0} tokens in {t1 - t0:.3f} s)", flush=True)
-            kv = None
         engine = kv = loaded = compiled = jobs = ex = None  # this model's device memory freed before the next's
         import gc
 
