@@ -1,8 +1,11 @@
-"""Helpers shared by the Pallas Triton kernels: tile shapes (tiles must be powers of two) and loads
-of the partial products dispatch.gemv_partials leaves."""
+"""Helpers shared by the Pallas Triton kernels: tile shapes (tiles must be powers of two), loads
+of the partial products dispatch.gemv_partials leaves, and the early launch of the next kernel."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
@@ -22,3 +25,39 @@ def load_parts(ref, rows, cols, *, parts: int, part_rows: int, mask, dtype):
             x += plgpu.load(ref.at[rows + p * part_rows, cols], mask=mask, other=0.0)
         x = x.astype(dtype).astype(jnp.float32)
     return x
+
+
+@functools.cache
+def early_launch_supported() -> bool:
+    """Whether this process's GPU has programmatic dependent launch (NVIDIA sm_90 and newer:
+    `griddepcontrol`). False without a GPU, so CPU runs never emit the instruction."""
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:
+        return False
+    try:
+        return float(getattr(device, "compute_capability", "0")) >= 9.0
+    except ValueError:  # not a CUDA compute capability (ROCm's gfx names)
+        return False
+
+
+def launch_dependents(idx: jax.Array, enabled: bool) -> jax.Array:
+    """idx (int32) unchanged, after `griddepcontrol.launch_dependents` when enabled: the kernel that
+    follows this one in the stream may launch now instead of when this one's programs exit.
+
+    XLA launches every Pallas Triton kernel with programmatic dependent launch and puts
+    `griddepcontrol.wait` at the entry of each one (jax 0.11.2 on Hopper: use_pdl on every launch
+    of the step's CUDA graph), so a kernel that launches early still waits for this one to complete
+    and for its writes before it runs; what it gains is its launch and the scheduling of its programs
+    while this kernel works. Without the trigger the next kernel launches only when every program
+    here has exited. An XLA kernel that follows without PDL (cuBLAS) is not affected.
+
+    The instruction is inline assembly whose (zero) result is added to idx, so the compiler keeps it
+    and issues it before idx's first use; call it on the first index vector a kernel computes.
+    enabled: False in interpret mode and on GPUs without the instruction (`early_launch_supported`)."""
+    if not enabled:
+        return idx
+    [zero] = plgpu.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", args=[idx], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(idx.shape, jnp.int32)])
+    return idx + zero

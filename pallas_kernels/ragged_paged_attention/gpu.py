@@ -59,7 +59,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
     write_kv_cost_estimate,
 )
-from pallas_kernels.triton_tiles import load_parts, next_pow2
+from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents, load_parts, next_pow2
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -180,6 +180,7 @@ def _kernel(
     unmasked_full_blocks: bool,
     decode_write: bool,
     qkv_parts: int,
+    early_launch: bool,
 ):
     # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
     # (f32[kv_splits, T * N] log2-sum-exp2 per row,)
@@ -191,7 +192,7 @@ def _kernel(
     num_tokens = o_ref.shape[-2] // num_heads
     s = item_seq_ref[i]
     # Row r: token r // (kv_heads * q_per_kv) of the item, KV head row_head, q head row_q.
-    r = jnp.arange(rows, dtype=jnp.int32)
+    r = launch_dependents(jnp.arange(rows, dtype=jnp.int32), early_launch)
     row_tok = lax.div(r, kv_heads * q_per_kv)
     row_head = hb * kv_heads + lax.rem(lax.div(r, q_per_kv), kv_heads)
     row_q = row_head * q_per_kv + lax.rem(r, q_per_kv)
@@ -415,7 +416,8 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
         kv_block=bkv, kv_splits=splits, decode_write=rope is not None, qkv_parts=q.shape[0] if q.ndim == 5 else 1,
-        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None)
+        unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None,
+        early_launch=not interpret and early_launch_supported())
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
@@ -439,7 +441,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
 
 
 def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
-                  splits_pow2: int):
+                  splits_pow2: int, early_launch: bool):
     """One output row (a token's q head): its kv_splits partial outputs weighted by their
     exp2(log-sum-exp). Every load is issued at once, none waiting on another: every split program of a
     real token stored its partial (zeros and lse = -inf where it saw no key), and a padding token's
@@ -447,7 +449,7 @@ def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_h
     round trips are the loads, then the store."""
     row = pl.program_id(0)
     t = lax.div(row, num_heads)
-    sp = jnp.arange(splits_pow2, dtype=jnp.int32)
+    sp = launch_dependents(jnp.arange(splits_pow2, dtype=jnp.int32), early_launch)
     src = sp * (lse_ref.shape[0] // splits) + row  # row `row` of each split in the flat [splits * T * N] partials
     cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
     lse = plgpu.load(lse_ref.at[src], mask=sp < splits, other=-jnp.inf)
@@ -467,7 +469,8 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
     and only where they hold keys, took the kernel from 1.65 to 1.43 us at llama3_2_1b's batch 1 over
     512 keys (10 splits; H200, docs/benchmarks.md "thirty-second session")."""
     splits, TN, H = o_part.shape
-    kernel = functools.partial(_merge_kernel, num_heads=num_heads, splits=splits, splits_pow2=next_pow2(splits))
+    kernel = functools.partial(_merge_kernel, num_heads=num_heads, splits=splits, splits_pow2=next_pow2(splits),
+                               early_launch=not interpret and early_launch_supported())
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,

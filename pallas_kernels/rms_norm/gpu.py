@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.rms_norm.reference import validate
-from pallas_kernels.triton_tiles import load_parts, next_pow2
+from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents, load_parts, next_pow2
 
 
 def default_block_rows(T: int, D: int) -> int:
@@ -30,10 +30,11 @@ def default_block_rows(T: int, D: int) -> int:
     return max(1, min(next_pow2(T), 4096 // next_pow2(D)))
 
 
-def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: int, cols: int, parts: int):
+def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: int, cols: int, parts: int,
+            early_launch: bool):
     # x_ref: [parts * T, D], the partial products one after the other (parts == 1: x itself)
     T, D = r_ref.shape
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    rows = launch_dependents(pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32), early_launch)
     col = jnp.arange(cols, dtype=jnp.int32)
     ok = (rows < T)[:, None] & (col < D)[None, :]
     # Masked lanes index distinct rows past the array: interpret mode writes back every indexed
@@ -56,7 +57,8 @@ def _add_rms_norm(x, r, scale, *, eps, block_rows, interpret):
     itemsize = jnp.dtype(r.dtype).itemsize
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D), parts=parts),
+        functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D), parts=parts,
+                          early_launch=not interpret and early_launch_supported()),
         grid=(pl.cdiv(T, block_rows),),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 2,

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.swiglu.reference import cost, validate
+from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents
 
 MIN_DOT_ROWS = 16  # Triton's dot takes at least 16 rows; fewer are padded in registers
 
@@ -69,13 +70,13 @@ def supports(x: jax.Array, w: jax.Array, block_sizes: BlockSizes = DEFAULT_BLOCK
             and 1 <= T <= MIN_DOT_ROWS and contraction_block(D, bs) > 0 and F % bs.block_n == 0)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bs: BlockSizes):
+def _kernel(x_ref, w_ref, o_ref, *, bs: BlockSizes, early_launch: bool):
     # x_ref [T, D]; w_ref [D, 2F] (gate columns, then up); o_ref [T, F]
     T, F = o_ref.shape
     D = w_ref.shape[0]
     bn, bk = bs.block_n, contraction_block(D, bs)
     c0 = pl.program_id(0) * bn
-    rows = jnp.arange(MIN_DOT_ROWS, dtype=jnp.int32)
+    rows = launch_dependents(jnp.arange(MIN_DOT_ROWS, dtype=jnp.int32), early_launch)
     mask = (rows < T)[:, None]
     # Padding rows index distinct rows past the array (masked): interpret mode writes back every
     # indexed element of a masked store and drops only out-of-range ones.
@@ -119,7 +120,7 @@ def swiglu_gemv(x: jax.Array, w: jax.Array, *, block_sizes: BlockSizes | None = 
     flops, nbytes = cost(x, w)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, bs=bs),
+        functools.partial(_kernel, bs=bs, early_launch=not interpret and early_launch_supported()),
         grid=(F // bs.block_n,),
         in_specs=[any_spec] * 2,
         out_specs=any_spec,
