@@ -27,6 +27,12 @@ def load_parts(ref, rows, cols, *, parts: int, part_rows: int, mask, dtype):
     return x
 
 
+def early_launch_enabled(interpret: bool) -> bool:
+    """Whether a kernel lowered with this `interpret` flag emits `launch_dependents`: on GPUs that
+    have the instruction, never in interpret mode."""
+    return not interpret and early_launch_supported()
+
+
 @functools.cache
 def early_launch_supported() -> bool:
     """Whether this process's GPU has programmatic dependent launch (NVIDIA sm_90 and newer:
@@ -54,7 +60,7 @@ def launch_dependents(idx: jax.Array, enabled: bool) -> jax.Array:
 
     The instruction is inline assembly whose (zero) result is added to idx, so the compiler keeps it
     and issues it before idx's first use; call it on the first index vector a kernel computes.
-    enabled: False in interpret mode and on GPUs without the instruction (`early_launch_supported`)."""
+    enabled: `early_launch_enabled(interpret)` of the kernel's call."""
     if not enabled:
         return idx
     [zero] = plgpu.elementwise_inline_asm(

@@ -59,7 +59,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
     write_kv_cost_estimate,
 )
-from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents, load_parts, next_pow2
+from pallas_kernels.triton_tiles import early_launch_enabled, launch_dependents, load_parts, next_pow2
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -417,7 +417,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
         kv_block=bkv, kv_splits=splits, decode_write=rope is not None, qkv_parts=q.shape[0] if q.ndim == 5 else 1,
         unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None,
-        early_launch=not interpret and early_launch_supported())
+        early_launch=early_launch_enabled(interpret))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     outs = pl.pallas_call(
         kernel,
@@ -470,7 +470,7 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
     512 keys (10 splits; H200, docs/benchmarks.md "thirty-second session")."""
     splits, TN, H = o_part.shape
     kernel = functools.partial(_merge_kernel, num_heads=num_heads, splits=splits, splits_pow2=next_pow2(splits),
-                               early_launch=not interpret and early_launch_supported())
+                               early_launch=early_launch_enabled(interpret))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.rms_norm.reference import validate
-from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents, load_parts, next_pow2
+from pallas_kernels.triton_tiles import early_launch_enabled, launch_dependents, load_parts, next_pow2
 
 
 def default_block_rows(T: int, D: int) -> int:
@@ -58,7 +58,7 @@ def _add_rms_norm(x, r, scale, *, eps, block_rows, interpret):
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps, block_rows=block_rows, cols=next_pow2(D), parts=parts,
-                          early_launch=not interpret and early_launch_supported()),
+                          early_launch=early_launch_enabled(interpret)),
         grid=(pl.cdiv(T, block_rows),),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 2,

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.swiglu.reference import cost, validate
-from pallas_kernels.triton_tiles import early_launch_supported, launch_dependents
+from pallas_kernels.triton_tiles import early_launch_enabled, launch_dependents
 
 MIN_DOT_ROWS = 16  # Triton's dot takes at least 16 rows; fewer are padded in registers
 
@@ -120,7 +120,7 @@ def swiglu_gemv(x: jax.Array, w: jax.Array, *, block_sizes: BlockSizes | None = 
     flops, nbytes = cost(x, w)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, bs=bs, early_launch=not interpret and early_launch_supported()),
+        functools.partial(_kernel, bs=bs, early_launch=early_launch_enabled(interpret)),
         grid=(F // bs.block_n,),
         in_specs=[any_spec] * 2,
         out_specs=any_spec,

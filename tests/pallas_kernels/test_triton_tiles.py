@@ -21,6 +21,7 @@ TRIGGER = "griddepcontrol.launch_dependents"
 def test_disabled_is_the_identity_and_emits_nothing():
     idx = jnp.arange(8, dtype=jnp.int32)
     assert triton_tiles.launch_dependents(idx, False) is idx
+    assert not triton_tiles.early_launch_enabled(interpret=True)
     if jax.default_backend() != "gpu":
         assert not triton_tiles.early_launch_supported()  # CPU: never emitted
 
@@ -32,8 +33,7 @@ def _cuda_text(fn, *args) -> str:
 @pytest.fixture
 def hopper(monkeypatch):
     """Lower as the kernels would for an sm_90 GPU, whatever this host has."""
-    for mod in (norm_gpu, swiglu_gpu, rpa_gpu):
-        monkeypatch.setattr(mod, "early_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_tiles, "early_launch_supported", lambda: True)
 
 
 def _kernels(interpret: bool):
