@@ -57,11 +57,11 @@ def _kernels(interpret: bool):
 
 
 def test_every_decode_kernel_launches_its_successor_early(hopper):
-    for name, text in _kernels(interpret=False):
+    texts = dict(_kernels(interpret=False))
+    for name, text in texts.items():
         assert TRIGGER in text, name
     # the attention with splits is two launches, both with the trigger
-    text = dict(_kernels(interpret=False))["attention + merge"]
-    assert text.count(TRIGGER) == 2
+    assert texts["attention + merge"].count(TRIGGER) == 2
 
 
 def test_interpret_mode_never_emits_the_instruction(hopper):
