@@ -18,6 +18,8 @@ PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`syn
 model's decode-only forward differs from its other one (dispatch.decode_attention_is_fused: on a
 GPU, each layer's KV write inside the attention launch), also a decode-only model program per
 decode pair, which single steps without a prefill token run (the bursts' model steps already are).
+Bursts of seq buckets up to EngineConfig.unroll_burst_max_seqs sequences (on a GPU by default the
+batch-1 bucket) compile their K model steps unrolled: faster there, longer to compile.
 
 Warmup lowers every program (tracing is Python, sequential) and compiles them ahead of time (XLA
 compiles release the GIL, so a small thread pool overlaps them), keeping the `Compiled`
@@ -175,6 +177,7 @@ class StepExecutor:
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
         greedy_head_min_seqs: int | None = None,  # GREEDY_HEAD bursts from this seq bucket up; None: none
         decode_programs: bool = False,  # decode-only model programs per decode pair (engine._decode_programs)
+        unroll_burst_max_seqs: int | None = None,  # EngineConfig.unroll_burst_max_seqs
     ):
         if decode_steps > 1 and burst_fn is None:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
@@ -184,6 +187,8 @@ class StepExecutor:
         self.decode_programs = decode_programs
         on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
+        # bursts of seq buckets up to this many sequences run unrolled (None: 1 on a GPU, 0 elsewhere)
+        self.unroll_burst_max_seqs = (1 if on_gpu else 0) if unroll_burst_max_seqs is None else unroll_burst_max_seqs
         self.strict = strict
         self._empty_batch = empty_batch
         self._vocab_size = vocab_size
@@ -205,7 +210,8 @@ class StepExecutor:
         self._burst = None if burst_fn is None else jax.jit(
             burst_fn,
             donate_argnums=(1,),
-            static_argnums=(7, 8, 9, 10, 11, 12),  # layout, params treedef, steps, sampler, penalties, max_logprobs
+            # layout, params treedef, steps, sampler, penalties, max_logprobs, unroll
+            static_argnums=(7, 8, 9, 10, 11, 12, 13),
             in_shardings=(param_shardings, kv_sharding, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sharding, rep),
         )
@@ -296,7 +302,7 @@ class StepExecutor:
                 sampler, penalties, logprobs = key[3:]
                 counts = self._abstract_counts(S) if penalties else None
                 return self._burst.lower(*args, counts, table, *static, self.decode_steps, sampler, penalties,
-                                         self.max_logprobs if logprobs else None)
+                                         self.max_logprobs if logprobs else None, S <= self.unroll_burst_max_seqs)
             return self._model.lower(*args, table, *static, key[0] == DECODE_MODEL)
         name, S = key
         b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it

@@ -71,6 +71,14 @@ class EngineConfig:
     # cuBLAS instead of XLA's Triton GEMM emitter (XLA option xla_gpu_enable_triton_gemm=False);
     # None: every program keeps XLA's choice. See docs/benchmarks.md ("sixteenth session").
     gpu_cublas_min_tokens: int | None = 64
+    # Burst programs (decode_steps > 1) of seq buckets of at most this many sequences run their K
+    # model steps as straight-line code instead of a loop: the loop's own kernels and launch gaps go,
+    # and what depends only on the step index (the RoPE tables) is computed once for all K. On an
+    # H200, llama3_2_1b's batch-1 bursts took ~10-25 us less per model step (+1-2.4%), for
+    # ~1.5 s more XLA compile time per burst program; at 64 sequences unrolled bursts ran ~4%
+    # slower. 0: every burst loops; None: 1 on GPUs, 0 elsewhere (unmeasured there). See
+    # docs/benchmarks.md ("thirty-fourth session").
+    unroll_burst_max_seqs: int | None = None
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
     max_stop_token_ids: int = 16  # EOS + stop token ids banned while below min_tokens (fixed width)
     dtype: str = "auto"  # weights and compute: auto (the checkpoint's), float32, bfloat16, float16
@@ -90,6 +98,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+        v = self.unroll_burst_max_seqs
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"unroll_burst_max_seqs must be None or an int >= 0, got {v!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"

@@ -243,7 +243,7 @@ class Engine:
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
             greedy_head_min_seqs=_greedy_head_min_seqs(model),
-            decode_programs=_decode_programs(model),
+            decode_programs=_decode_programs(model), unroll_burst_max_seqs=config.unroll_burst_max_seqs,
         )
         self._watcher = CompileWatcher()
         self._watcher.open()

@@ -165,7 +165,7 @@ GREEDY_HEAD = "greedy_head"
 
 def make_burst_fn(forward: Callable) -> Callable:
     """burst(param_leaves, kv_pages, flat, rows, prev, counts, page_table, layout, treedef, steps, sampler,
-    penalties, max_logprobs) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
+    penalties, max_logprobs, unroll=False) -> (tokens i32[steps, slots], last i32[slots], kv_pages, logprobs):
     a burst of `steps` decode steps in one program (StepPlan.num_steps), for a forward of logits
     f32[S, V]. The packed batch is its first model step, one token per sequence; model step j
     feeds each sequence the token it sampled at step j - 1, at position + j with kv_len + j (its
@@ -182,15 +182,17 @@ def make_burst_fn(forward: Callable) -> Callable:
     None), `logprobs` is the logprobs program's output for every step (runtime/sampling.Logprobs
     with a leading [steps] axis: of the raw logits, for the tokens the step sampled); else None.
     `last` is the final model step's tokens, the next step's `prev`. A fori_loop of static trip
-    count: XLA runs it without reading anything back to the host (runtime/sampling.py). Jit it
-    with kv_pages donated and layout, treedef, steps, sampler, penalties, max_logprobs static; one
-    function object per forward, as make_model_fn."""
+    count: XLA runs it without reading anything back to the host (runtime/sampling.py); with
+    `unroll` the model steps are straight-line code instead (EngineConfig.unroll_burst_max_seqs:
+    no loop kernels between them, work that depends only on the step index hoisted out of them,
+    a longer compile). Jit it with kv_pages donated and layout, treedef, steps, sampler,
+    penalties, max_logprobs, unroll static; one function object per forward, as make_model_fn."""
     return _cached(forward, "_xlaserve_burst_fn", _build_burst_fn)
 
 
 def _build_burst_fn(forward: Callable) -> Callable:
     def burst(param_leaves, kv_pages, flat, rows, prev, counts, page_table, layout: StepLayout, treedef, steps: int,
-              sampler: str, penalties: bool, max_logprobs: int | None):
+              sampler: str, penalties: bool, max_logprobs: int | None, unroll: bool = False):
         params = treedef.unflatten(param_leaves)
         b = layout.unflatten(flat, page_table)
         slots, m = prev.shape[0], min(layout.T, layout.S)  # decode i's token sits at i: i < num_seqs <= m
@@ -237,7 +239,7 @@ def _build_burst_fn(forward: Callable) -> Callable:
             lps = Logprobs(jnp.zeros((steps, S), jnp.float32), jnp.zeros((steps, S, max_logprobs), jnp.int32),
                            jnp.zeros((steps, S, max_logprobs), jnp.float32))
         init = (kv_pages, _input_tokens(b, prev), jnp.zeros((steps, slots), jnp.int32), prev, counts, lps)
-        kv_pages, _, out, last, _, lps = jax.lax.fori_loop(0, steps, step, init)
+        kv_pages, _, out, last, _, lps = jax.lax.fori_loop(0, steps, step, init, unroll=unroll)
         return out, last, kv_pages, lps
 
     return burst

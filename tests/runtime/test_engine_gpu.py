@@ -1,5 +1,5 @@
 """The engine on an NVIDIA GPU: EngineConfig.gpu_cublas_min_tokens, the decode-only model programs,
-the greedy head bursts. Run on a GPU host with JAX_PLATFORMS=cuda,cpu (the device tool)."""
+the greedy head bursts, the unrolled batch-1 bursts. Run on a GPU host with JAX_PLATFORMS=cuda,cpu (the device tool)."""
 
 import jax
 import numpy as np
@@ -97,6 +97,41 @@ def test_single_decode_steps_run_the_fused_decode_program(monkeypatch):
             llm.engine.close()
             monkeypatch.undo()
     assert outs["single"] == outs["two_launch"] == outs["bursts"]
+
+
+def test_batch_one_bursts_run_unrolled_with_the_same_tokens(monkeypatch):
+    """On a GPU the burst programs of the batch-1 seq bucket are unrolled by default
+    (EngineConfig.unroll_burst_max_seqs None -> 1): the burst's while loop is gone from the
+    compiled program, while the 8-sequence bucket's bursts keep theirs. In float32, with weights
+    that leave no near-ties, their greedy tokens equal those of looped bursts
+    (unroll_burst_max_seqs 0), alone and in a batch."""
+    from tests.testing.engine import scaled_dummy, spy_programs
+
+    model = scaled_dummy()
+    prompts = np.random.default_rng(2).integers(0, model.config.vocab_size, (6, 20)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    cfg = {**CFG, "seq_buckets": (1, 8)}
+    outs, loops = {}, {}
+    for unroll in (None, 0):
+        llm = LLM(model, **cfg, unroll_burst_max_seqs=unroll)
+        ex = llm.engine.executor
+        try:
+            assert ex.unroll_burst_max_seqs == (1 if unroll is None else 0)
+            for S in (1, 8):
+                T = min(T for T in cfg["token_buckets"] if T >= S)
+                loops[unroll, S] = ex._executables[("burst", T, S, "greedy", False, False)].as_text().count(" while(")
+            used = spy_programs(monkeypatch, ex)
+            alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
+            assert {k[2] for k in used if k[0] == "burst"} == {1}
+            batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert 8 in {k[2] for k in used if k[0] == "burst"}
+            outs[unroll] = (alone, batch)
+            assert ex.num_compiles_after_warmup == 0
+        finally:
+            llm.engine.close()
+            monkeypatch.undo()
+    assert loops[None, 1] == loops[0, 1] - 1 and loops[None, 8] == loops[0, 8] >= 1, loops
+    assert outs[None] == outs[0]
 
 
 @requires_hopper  # the greedy head kernel

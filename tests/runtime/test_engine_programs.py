@@ -167,6 +167,48 @@ def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
         headed.close()
 
 
+def test_unrolled_bursts_equal_looped_bursts(monkeypatch):
+    """EngineConfig.unroll_burst_max_seqs: the burst programs of seq buckets up to it compile their
+    model steps as straight-line code (the burst's while loop gone; the forward's own loops stay),
+    the others keep the loop, and unrolled bursts give the tokens looped ones give, greedy and
+    sampled, with penalties and logprobs, alone and in a random-arrival batch. On the CPU the
+    default unrolls none."""
+    model = scaled_dummy()
+    looped = Engine(model, EngineConfig(**BASE, decode_steps=4))
+    unrolled = Engine(model, EngineConfig(**BASE, decode_steps=4, unroll_burst_max_seqs=2))
+    try:
+        assert (looped.executor.unroll_burst_max_seqs, unrolled.executor.unroll_burst_max_seqs) == (0, 2)
+        for T, S in unrolled.buckets.decode_pairs():
+            key = ("burst", T, S, "greedy", False, False)
+            loops = [e.executor._lower(key).as_text().count("stablehlo.while") for e in (looped, unrolled)]
+            assert loops[1] == loops[0] - (S <= 2), (key, loops)
+        used = spy_programs(monkeypatch, unrolled.executor)
+        rng = np.random.default_rng()
+        kinds = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.5, logprobs=2),
+                 dict(temperature=0.9, top_k=20), dict(temperature=0.8, top_p=0.9, presence_penalty=1.0)]
+        reqs = [(f"u{i}", rng.integers(0, 256, int(rng.integers(2, 30))).tolist(),
+                 SamplingParams(seed=int(rng.integers(0, 2**62)), max_tokens=int(rng.integers(9, 40)),
+                                ignore_eos=True, **kinds[i % len(kinds)])) for i in range(12)]
+        for rid, prompt, params in reqs[:4]:
+            got, want = run_one(unrolled, prompt, params).outputs[0], run_one(looped, prompt, params).outputs[0]
+            assert got.token_ids == want.token_ids, rid
+            assert_same_logprobs(got.logprobs, want.logprobs, rid)
+        assert {k[2] for k in used if k[0] == "burst"} == {2}  # one sequence at a time: the unrolled bucket
+        used.clear()
+        want = run_workload(looped, reqs, seed=1)
+        got = run_workload(unrolled, reqs, seed=1)
+        for rid, _, _ in reqs:
+            g, w = got[rid].outputs[0], want[rid].outputs[0]
+            assert g.token_ids == w.token_ids, rid
+            assert_same_logprobs(g.logprobs, w.logprobs, rid)
+        assert {k[2] for k in used if k[0] == "burst"} == {2, 8}  # unrolled and looped bursts both ran
+        check_idle(looped)
+        check_idle(unrolled)
+    finally:
+        looped.close()
+        unrolled.close()
+
+
 def test_decode_only_single_steps_run_the_decode_program(monkeypatch):
     """Where the decode-only forward differs (a GPU: the KV write inside the attention launch) the
     executor compiles a decode-only model program per decode pair, and single steps without a

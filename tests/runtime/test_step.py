@@ -72,6 +72,10 @@ def test_engine_config_defaults_and_validation():
         EngineConfig(num_pages=3, max_model_len=64, page_size=16)
     with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
         EngineConfig(dtype="int8")
+    assert EngineConfig().unroll_burst_max_seqs is None and EngineConfig(unroll_burst_max_seqs=0).unroll_burst_max_seqs == 0
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match=f"unroll_burst_max_seqs must be None or an int >= 0, got {bad!r}"):
+            EngineConfig(unroll_burst_max_seqs=bad)
 
 
 def test_packer_marks_the_in_flight_token_in_penalty_histories():
