@@ -73,11 +73,11 @@ class EngineConfig:
     gpu_cublas_min_tokens: int | None = 64
     # Burst programs (decode_steps > 1) of seq buckets of at most this many sequences run their K
     # model steps as straight-line code instead of a loop: the loop's own kernels and launch gaps go,
-    # and what depends only on the step index (the RoPE tables) is computed once for all K. On an
-    # H200, llama3_2_1b's batch-1 bursts took ~10-25 us less per model step (+1-2.4%), for
-    # ~1.5 s more XLA compile time per burst program; at 64 sequences unrolled bursts ran ~4%
-    # slower. 0: every burst loops; None: 1 on GPUs, 0 elsewhere (unmeasured there). See
-    # docs/benchmarks.md ("thirty-fourth session").
+    # and what depends only on the step index (the RoPE tables) is computed once for all K. On
+    # H200s, llama3_2_1b's batch-1 bursts took ~7-25 us less per model step (+0.6-2.8%; on an H100
+    # no change), for ~1.5 s more XLA compile time per burst program; at 64 sequences unrolled
+    # bursts ran 3-5% slower. 0: every burst loops; None: 1 on GPUs, 0 elsewhere (unmeasured
+    # there). See docs/benchmarks.md ("thirty-fourth session").
     unroll_burst_max_seqs: int | None = None
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
     max_stop_token_ids: int = 16  # EOS + stop token ids banned while below min_tokens (fixed width)
