@@ -50,6 +50,16 @@ def _check_table(name: str, table: tuple[int, ...], must_cover: int, cover_name:
         raise ValueError(f"{name} ends at {table[-1]}; it must reach {cover_name} ({must_cover})")
 
 
+def _check_int(config, name: str, *, minimum: int, optional: bool) -> None:
+    """config.<name> must be an int (not a bool) of at least `minimum`, or None where optional."""
+    v = getattr(config, name)
+    if optional and v is None:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}{what}, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 32  # S: sequences that run in one step (slots)
@@ -91,16 +101,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            _check_int(self, name, minimum=1, optional=False)
         for name in ("num_pages", "max_model_len", "gpu_cublas_min_tokens"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
-        v = self.unroll_burst_max_seqs
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"unroll_burst_max_seqs must be None or an int >= 0, got {v!r}")
+            _check_int(self, name, minimum=1, optional=True)
+        _check_int(self, "unroll_burst_max_seqs", minimum=0, optional=True)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
