@@ -214,14 +214,14 @@ class LlamaModel(nnx.Module):
             x, h, pages = layer(x, h, cos, sin, pages, meta, next_norm, decode_only)
             new_pages.append(pages)
         x = h
-        if logits_indices is not None:
-            x = jnp.take(x, logits_indices, axis=0)
         tied = self.cfg.tie_word_embeddings
         head = (self.embed if tied else self.lm_head)[...].astype(self.dtype)
-        if greedy:  # the logits' argmax without writing them, where the kernel runs (dispatch.greedy_head)
-            out = dispatch.greedy_head(x, head, transposed=tied, precision=_precision(self.dtype),
+        if greedy:  # the logits' argmax without writing them, where a kernel runs (dispatch.greedy_head)
+            out = dispatch.greedy_head(x, head, transposed=tied, rows=logits_indices, precision=_precision(self.dtype),
                                        implementation=self.gemm_impl)
         else:
+            if logits_indices is not None:
+                x = jnp.take(x, logits_indices, axis=0)
             out = head_logits(x, head, transposed=tied, precision=_precision(self.dtype))
         return out, tuple(new_pages)
 

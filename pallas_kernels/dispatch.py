@@ -223,38 +223,66 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
     return _swiglu.ref_swiglu(x, w, precision=precision)
 
 
-# Rows from which greedy_head runs the kernel. Below, the engine's programs compile XLA's Triton GEMMs
-# (EngineConfig.gpu_cublas_min_tokens, 64), whose batch-1 head beat the kernel: llama3_2_1b batch-1
-# decode bursts on an H100 ran 810-824 tok/s with it against 841-850 without; from 64 rows it beats
-# cuBLAS + XLA's argmax (204 vs 219 us at 64 rows, 230 vs 306 at 256; docs/kernels/greedy_head.md).
+# Rows from which greedy_head runs the Mosaic GPU kernel (gpu_mosaic.py): from 64 rows it beats cuBLAS
+# + XLA's argmax (204 vs 219 us at 64 rows, 230 vs 306 at 256; docs/kernels/greedy_head.md); on one row
+# padded to 128 it lost to XLA's Triton GEMV (llama3_2_1b batch-1 bursts on an H100: 810-824 tok/s
+# against 841-850).
 GREEDY_HEAD_MIN_ROWS = 64
+# Rows up to which greedy_head runs the Triton GEMV with the argmax in its epilogue (gpu.py): at
+# llama3_2_1b's head on an H200, 119-123 us a call against 123-128 for XLA's GEMV, its argmax and the
+# greedy sampler's ban at 1-16 rows; at llama3_8b's within 1 us of them (docs/kernels/greedy_head.md).
+GREEDY_HEAD_GEMV_MAX_ROWS = 16
 
 
-def greedy_head(x, head, *, transposed: bool, precision=None, implementation: str = "reference") -> jax.Array:
-    """i32[T]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
-    (`transposed`: head [V, D], a tied embedding); the first index among equal maxima.
+def greedy_head(x, head, *, transposed: bool, rows=None, precision=None, implementation: str = "reference") -> jax.Array:
+    """i32[R]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
+    (`transposed`: head [V, D], a tied embedding); the first index among equal maxima. rows: the
+    rows of x [T, D] to take logits for (i32[R], jnp.take's indices), or None for all (R = T).
 
-    implementation: "mosaic_gpu" runs the Hopper kernel with the argmax in the GEMM's epilogue where
-    it applies (at least GREEDY_HEAD_MIN_ROWS rows, bf16/f16, D a multiple of 64, V of 128) and the
-    reference elsewhere; "reference" is jnp (the logits, then their argmax)."""
-    if greedy_head_is_fused(x, head, transposed=transposed, implementation=implementation):
+    implementation: "mosaic_gpu" (one Hopper GPU, select_gemm_impl) runs a kernel with the argmax in
+    the GEMM's epilogue where one applies (bf16/f16): the Triton GEMV for up to
+    GREEDY_HEAD_GEMV_MAX_ROWS rows (it gathers `rows` itself), the Mosaic GEMM from
+    GREEDY_HEAD_MIN_ROWS (D a multiple of 64, V of 128); the reference elsewhere. "reference" is jnp
+    (the logits, then their argmax)."""
+    fused = _greedy_head_kernel(_rows_of(x, rows), head, transposed=transposed, implementation=implementation)
+    if fused == "triton":
+        from pallas_kernels.greedy_head import gpu
+
+        return gpu.greedy_head_gemv(x, head, transposed=transposed, rows=rows)
+    if rows is not None:
+        x = jnp.take(x, rows, axis=0)
+    if fused == "mosaic":
         from pallas_kernels.greedy_head import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
         return gpu_mosaic.greedy_head_mosaic(x, head, transposed=transposed)
     return _greedy_head.ref_greedy_head(x, head, transposed=transposed, precision=precision)
 
 
+def _rows_of(x, rows):
+    return x if rows is None else jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)
+
+
 def greedy_head_is_fused(x, head, *, transposed: bool, implementation: str) -> bool:
-    """Whether greedy_head runs the kernel for arrays (or ShapeDtypeStructs) of these shapes and
-    dtypes, rather than the logits and their argmax; the engine compiles its GREEDY_HEAD bursts only
-    then."""
+    """Whether greedy_head runs a kernel for arrays (or ShapeDtypeStructs) of these shapes and
+    dtypes (x [R, D]: the rows it takes logits for), rather than the logits and their argmax; the
+    engine compiles its GREEDY_HEAD bursts only then."""
+    return _greedy_head_kernel(x, head, transposed=transposed, implementation=implementation) is not None
+
+
+def _greedy_head_kernel(x, head, *, transposed: bool, implementation: str) -> str | None:
     if implementation not in ("mosaic_gpu", "reference"):
         raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
-    if implementation == "reference" or x.shape[0] < GREEDY_HEAD_MIN_ROWS:
-        return False
-    from pallas_kernels.greedy_head import gpu_mosaic
+    if implementation == "reference":
+        return None
+    if x.shape[0] <= GREEDY_HEAD_GEMV_MAX_ROWS:
+        from pallas_kernels.greedy_head import gpu
 
-    return gpu_mosaic.supports(x, head, transposed=transposed)
+        return "triton" if gpu.supports(x, head, transposed=transposed) else None
+    if x.shape[0] >= GREEDY_HEAD_MIN_ROWS:
+        from pallas_kernels.greedy_head import gpu_mosaic
+
+        return "mosaic" if gpu_mosaic.supports(x, head, transposed=transposed) else None
+    return None
 
 
 def flash_attention(q, k, v, *, sm_scale, causal=True, segment_ids=None, sliding_window=None, soft_cap=None,

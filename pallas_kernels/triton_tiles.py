@@ -1,5 +1,6 @@
-"""Helpers shared by the Pallas Triton kernels: tile shapes (tiles must be powers of two), loads
-of the partial products dispatch.gemv_partials leaves, and the early launch of the next kernel."""
+"""Helpers shared by the Pallas Triton kernels: tile shapes (tiles must be powers of two, a dot at
+least 16 rows), loads of the partial products dispatch.gemv_partials leaves, and the early launch of
+the next kernel."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 
+MIN_DOT_ROWS = 16  # Triton's dot takes at least 16 rows; GEMVs pad fewer in registers
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def contraction_block(D: int, block_k: int) -> int:
+    """A GEMV's contraction step for a hidden size D: block_k, or the largest power of two dividing
+    D if that is smaller (576 -> 64); 0 if it would be below 16 (Triton's smallest dot)."""
+    bk = min(block_k, D & -D) if D > 0 else 0
+    return bk if bk >= 16 else 0
 
 
 def load_parts(ref, rows, cols, *, parts: int, part_rows: int, mask, dtype):

@@ -11,9 +11,9 @@ three variants: plain, with penalties, and with penalties and logprobs. A burst 
 penalized row runs the third with an empty penalty history: neutral penalties are exact
 identities (runtime/sampling.py), and a fourth variant per sampler would lengthen warmup for
 nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax in the LM head's
-epilogue, the logits never written; from dispatch.GREEDY_HEAD_MIN_ROWS rows), one more burst per
-decode pair of that many sequences or more, GREEDY_HEAD, runs the bursts whose rows are all greedy
-with nothing banned, no penalties and no logprobs. And the page table update programs, one per
+epilogue, the logits never written; up to dispatch.GREEDY_HEAD_GEMV_MAX_ROWS rows and from
+dispatch.GREEDY_HEAD_MIN_ROWS), one more burst per decode pair of such a seq bucket, GREEDY_HEAD,
+runs the bursts whose rows are all greedy with nothing banned, no penalties and no logprobs. And the page table update programs, one per
 PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`sync_pages`). Where the
 model's decode-only forward differs from its other one (dispatch.decode_attention_is_fused: on a
 GPU, each layer's KV write inside the attention launch), also a decode-only model program per
@@ -175,7 +175,7 @@ class StepExecutor:
         burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
-        greedy_head_min_seqs: int | None = None,  # GREEDY_HEAD bursts from this seq bucket up; None: none
+        greedy_head_seqs: frozenset[int] = frozenset(),  # seq buckets with GREEDY_HEAD bursts (engine._greedy_head_seqs)
         decode_programs: bool = False,  # decode-only model programs per decode pair (engine._decode_programs)
         unroll_burst_max_seqs: int | None = None,  # EngineConfig.unroll_burst_max_seqs
     ):
@@ -183,7 +183,7 @@ class StepExecutor:
             raise ValueError(f"decode_steps={decode_steps} needs a burst_fn")
         self.table = table
         self.decode_steps = decode_steps
-        self.greedy_head_min_seqs = greedy_head_min_seqs
+        self.greedy_head_seqs = frozenset(greedy_head_seqs)
         self.decode_programs = decode_programs
         on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
@@ -248,8 +248,8 @@ class StepExecutor:
         """Every program of the table: the model program per (T, S) pair (and with decode_programs
         the decode-only one per decode pair), the sampler programs per seq bucket, then with
         decode_steps > 1 the burst programs per decode pair, sampler and (penalties, logprobs)
-        variant (see the module docstring), and the GREEDY_HEAD burst per decode pair of at least
-        greedy_head_min_seqs sequences."""
+        variant (see the module docstring), and the GREEDY_HEAD burst per decode pair whose seq bucket
+        is in greedy_head_seqs."""
         keys = [("model", T, S) for T, S in self.table.pairs()]
         if self.decode_programs:
             keys += [(DECODE_MODEL, T, S) for T, S in self.table.decode_pairs()]
@@ -269,7 +269,7 @@ class StepExecutor:
         return (DECODE_MODEL if decode_only and self.decode_programs else "model", T, S)
 
     def _greedy_head(self, S: int) -> bool:
-        return self.greedy_head_min_seqs is not None and S >= self.greedy_head_min_seqs
+        return S in self.greedy_head_seqs
 
     def compiler_options(self, key: tuple) -> dict:
         """XLA options of one program: on a GPU, the model and burst programs of token buckets of at

@@ -95,17 +95,16 @@ def _decode_programs(model: LoadedModel) -> bool:
     return dispatch.decode_attention_is_fused(model.attn_impl)
 
 
-def _greedy_head_min_seqs(model: LoadedModel) -> int | None:
-    """The seq buckets from which the model's greedy head is the kernel (pallas_kernels/greedy_head;
-    the executor compiles GREEDY_HEAD bursts for them), or None where it never is."""
+def _greedy_head_seqs(model: LoadedModel, seq_buckets) -> frozenset[int]:
+    """The seq buckets whose bursts' greedy head is a kernel (pallas_kernels/greedy_head, one row per
+    sequence; the executor compiles GREEDY_HEAD bursts for them): on one Hopper GPU, up to
+    dispatch.GREEDY_HEAD_GEMV_MAX_ROWS and from dispatch.GREEDY_HEAD_MIN_ROWS; none elsewhere."""
     cfg = model.config
     V, D = cfg.vocab_size, cfg.hidden_size
     tied = cfg.tie_word_embeddings
-    rows = dispatch.GREEDY_HEAD_MIN_ROWS
-    fused = dispatch.greedy_head_is_fused(jax.ShapeDtypeStruct((rows, D), model.dtype),
-                                          jax.ShapeDtypeStruct((V, D) if tied else (D, V), model.dtype),
-                                          transposed=tied, implementation=model.gemm_impl)
-    return rows if fused else None
+    head = jax.ShapeDtypeStruct((V, D) if tied else (D, V), model.dtype)
+    return frozenset(S for S in seq_buckets if dispatch.greedy_head_is_fused(
+        jax.ShapeDtypeStruct((S, D), model.dtype), head, transposed=tied, implementation=model.gemm_impl))
 
 
 @dataclass(frozen=True)
@@ -242,7 +241,7 @@ class Engine:
             max_logprobs=config.max_logprobs, strict=config.strict_compile,
             burst_fn=make_burst_fn(model.forward) if config.decode_steps > 1 else None,
             decode_steps=config.decode_steps, gpu_cublas_min_tokens=config.gpu_cublas_min_tokens,
-            greedy_head_min_seqs=_greedy_head_min_seqs(model),
+            greedy_head_seqs=_greedy_head_seqs(model, self.buckets.seq_buckets),
             decode_programs=_decode_programs(model), unroll_burst_max_seqs=config.unroll_burst_max_seqs,
         )
         self._watcher = CompileWatcher()

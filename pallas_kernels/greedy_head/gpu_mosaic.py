@@ -11,10 +11,10 @@ operand, the head [D, V], or the tied embedding [V, D] read transposed. The tile
 blocks fastest, so the CTAs in flight share a few column blocks of the weight and read each from
 memory once. Each compute warpgroup reduces its [block_m, block_n] f32 accumulator to every row's
 maximum and the first column holding it, and writes both as f32 partials [V / block_n, T]; a small
-XLA reduction over the column blocks then picks the first block holding the row's maximum. The
-result is the first index among equal maxima, as jnp.argmax gives (for rows without NaN; a NaN
-row's token is unspecified here, where jnp.argmax returns the NaN's index). Column indices travel
-as f32, exact below 2^24.
+XLA reduction over the column blocks (reference.argmax_of_block_partials) then picks the first block
+holding the row's maximum. The result is the first index among equal maxima, as jnp.argmax gives
+(for rows without NaN; a NaN row's token is unspecified here, where jnp.argmax returns the NaN's
+index). Column indices travel as f32, exact below 2^24.
 
 The logits are the GEMM's f32 accumulators, as the reference's (cuBLAS accumulates in f32 too), but
 summed in another order: the two agree except where a row's two best logits are within a few f32
@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.greedy_head.reference import validate
+from pallas_kernels.greedy_head.reference import argmax_of_block_partials, validate
 from pallas_kernels.mosaic_gemm import COMPUTE_WGS, BlockSizes, check_smem, hopper_kernel, tile_loop
 
 _MAX_COLUMNS = 2 ** 24  # column indices are f32 in the epilogue
@@ -108,5 +108,4 @@ def greedy_head_mosaic(x: jax.Array, head: jax.Array, *, transposed: bool,
     part = jax.ShapeDtypeStruct((n_blocks, Tp), jnp.float32)
     kernel = hopper_kernel(functools.partial(_kernel, bs=bs, transposed=transposed), (part, part))
     pmax, pidx = kernel(jnp.pad(x, ((0, Tp - T), (0, 0))), head)
-    best = jnp.argmax(pmax, axis=0)  # the first block among equal maxima: it holds the lower indices
-    return jnp.take_along_axis(pidx, best[None], axis=0)[0, :T].astype(jnp.int32)
+    return argmax_of_block_partials(pmax[:, :T], pidx[:, :T])

@@ -25,3 +25,20 @@ def head_logits(x: jax.Array, head: jax.Array, *, transposed: bool, precision=No
 def ref_greedy_head(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None) -> jax.Array:
     """i32[T]: each row's argmax over its f32 logits (the first index among equal maxima)."""
     return jnp.argmax(head_logits(x, head, transposed=transposed, precision=precision), axis=-1).astype(jnp.int32)
+
+
+def argmax_of_block_partials(pmax: jax.Array, pidx: jax.Array) -> jax.Array:
+    """i32[T] from the kernels' partials: pmax f32[B, T], each block of ids' maximum per row, and
+    pidx [B, T] (any numeric dtype), the first id holding it. The row's maximum over the blocks and,
+    among equal maxima, the lowest id: the first index among equal maxima over the whole row, as
+    jnp.argmax gives. One variadic reduction (one XLA kernel; jnp.argmax over pmax and then a
+    gather of pidx were two)."""
+
+    def pick(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_a = (va > vb) | ((va == vb) & (ia < ib))
+        return jnp.where(take_a, va, vb), jnp.where(take_a, ia, ib)
+
+    top = jnp.iinfo(pidx.dtype).max if jnp.issubdtype(pidx.dtype, jnp.integer) else jnp.inf
+    _, idx = jax.lax.reduce((pmax, pidx), (jnp.array(-jnp.inf, pmax.dtype), jnp.array(top, pidx.dtype)), pick, (0,))
+    return idx.astype(jnp.int32)

@@ -25,9 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.swiglu.reference import cost, validate
-from pallas_kernels.triton_tiles import early_launch_enabled, launch_dependents
-
-MIN_DOT_ROWS = 16  # Triton's dot takes at least 16 rows; fewer are padded in registers
+from pallas_kernels.triton_tiles import MIN_DOT_ROWS, contraction_block, early_launch_enabled, launch_dependents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,27 +52,20 @@ class BlockSizes:
 DEFAULT_BLOCK_SIZES = BlockSizes()
 
 
-def contraction_block(D: int, bs: BlockSizes) -> int:
-    """The contraction step for a hidden size D: block_k, or the largest power of two dividing D if
-    that is smaller (576 -> 64); 0 if it would be below 16."""
-    bk = min(bs.block_k, D & -D) if D > 0 else 0
-    return bk if bk >= 16 else 0
-
-
 def supports(x: jax.Array, w: jax.Array, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES) -> bool:
     """Whether the kernel takes these shapes and dtypes (the caller runs the reference if not)."""
     T, D = x.shape
     F = w.shape[-1]
     bs = block_sizes
     return (jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and w.dtype == x.dtype
-            and 1 <= T <= MIN_DOT_ROWS and contraction_block(D, bs) > 0 and F % bs.block_n == 0)
+            and 1 <= T <= MIN_DOT_ROWS and contraction_block(D, bs.block_k) > 0 and F % bs.block_n == 0)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, bs: BlockSizes, early_launch: bool):
     # x_ref [T, D]; w_ref [D, 2F] (gate columns, then up); o_ref [T, F]
     T, F = o_ref.shape
     D = w_ref.shape[0]
-    bn, bk = bs.block_n, contraction_block(D, bs)
+    bn, bk = bs.block_n, contraction_block(D, bs.block_k)
     c0 = pl.program_id(0) * bn
     rows = launch_dependents(jnp.arange(MIN_DOT_ROWS, dtype=jnp.int32), early_launch)
     mask = (rows < T)[:, None]

@@ -141,11 +141,6 @@ def test_gemv_block_sizes_validation(kwargs, match):
         gemv.BlockSizes(**kwargs)
 
 
-def test_gemv_contraction_block():
-    bs = gemv.BlockSizes()
-    assert [gemv.contraction_block(D, bs) for D in (2048, 576, 960, 72, 8)] == [128, 64, 64, 0, 0]
-
-
 @pytest.mark.parametrize("T, D, kernel", [(2, 2048, "swiglu_gemv_gpu"), (16, 576, "swiglu_gemv_gpu"),
                                           (17, 2048, None), (2, 4096, None), (256, 2048, "mosaic_gpu")])
 def test_dispatch_picks_the_kernel_by_rows_and_hidden_size(T, D, kernel):

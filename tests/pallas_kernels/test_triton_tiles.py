@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import triton_tiles
+from pallas_kernels.greedy_head import gpu as head_gpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.rms_norm import gpu as norm_gpu
 from pallas_kernels.swiglu import gpu as swiglu_gpu
@@ -45,6 +46,9 @@ def _kernels(interpret: bool):
                                                        interpret=interpret), x, x, scale)
     w = jnp.zeros((D, 2, F), jnp.bfloat16)
     yield "swiglu_gemv", _cuda_text(functools.partial(swiglu_gpu.swiglu_gemv, interpret=interpret), x, w)
+    head = jnp.zeros((1024, D), jnp.bfloat16)
+    yield "greedy_head_gemv", _cuda_text(functools.partial(head_gpu.greedy_head_gemv, transposed=True,
+                                                           interpret=interpret), x, head)
     P, G = 16, 16
     kv_pages = jnp.zeros((P, G, 2 * K, H), jnp.bfloat16)
     qkv = jnp.zeros((1, K, R + 2, H), jnp.bfloat16)
@@ -67,3 +71,8 @@ def test_every_decode_kernel_launches_its_successor_early(hopper):
 def test_interpret_mode_never_emits_the_instruction(hopper):
     for name, text in _kernels(interpret=True):
         assert TRIGGER not in text, name
+
+
+def test_contraction_block():
+    assert [triton_tiles.contraction_block(D, 128) for D in (2048, 576, 960, 72, 8)] == [128, 64, 64, 0, 0]
+    assert triton_tiles.contraction_block(2048, 64) == 64

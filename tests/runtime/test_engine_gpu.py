@@ -134,11 +134,13 @@ def test_batch_one_bursts_run_unrolled_with_the_same_tokens(monkeypatch):
     assert outs[None] == outs[0]
 
 
-@requires_hopper  # the greedy head kernel
-def test_greedy_head_bursts_give_the_logits_path_tokens():
-    """On one Hopper GPU plain greedy bursts run the LM head kernel with the argmax in its epilogue
-    (GREEDY_HEAD); their tokens equal those of the bursts that write the logits. Weights scaled up
-    from the dummy's 0.02 std so every step's top two logits are far apart (at 0.02 every step is a
+@requires_hopper  # the greedy head kernels
+@pytest.mark.parametrize("seq_buckets", [(64,), (1, 8)])
+def test_greedy_head_bursts_give_the_logits_path_tokens(seq_buckets):
+    """On one Hopper GPU plain greedy bursts run an LM head kernel with the argmax in its epilogue
+    (GREEDY_HEAD): the Mosaic GEMM from 64 sequences, the Triton GEMV up to 16 (batch 1 included);
+    their tokens equal those of the bursts that write the logits. Weights scaled up from the
+    dummy's 0.02 std so every step's top two logits are far apart (at 0.02 every step is a
     near-tie, which f32 sums in another order may flip)."""
     import dataclasses
 
@@ -156,19 +158,22 @@ def test_greedy_head_bursts_give_the_logits_path_tokens():
     logits_path.__dict__["forward"] = m.forward
     prompts = np.random.default_rng(1).integers(1, m.config.vocab_size, (6, 40)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # a seq bucket of dispatch.GREEDY_HEAD_MIN_ROWS (64): the kernel runs from there
-    cfg = {**CFG, "max_num_seqs": 64, "seq_buckets": (64,), "token_buckets": (64, 128), "max_num_batched_tokens": 128}
+    cfg = {**CFG, "max_num_seqs": seq_buckets[-1], "seq_buckets": seq_buckets, "token_buckets": (64, 128),
+           "max_num_batched_tokens": 128}
     outs = []
     for model, heads in ((m, True), (logits_path, False)):
         llm = LLM(model, **cfg)
         try:
-            keys = llm.engine.executor.program_keys()
-            assert any(k[3:4] == (GREEDY_HEAD,) for k in keys) == heads
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            keys = {k[2] for k in llm.engine.executor.program_keys() if k[3:4] == (GREEDY_HEAD,)}
+            assert keys == (set(seq_buckets) if heads else set()), keys
+            # all six prompts at once, then one alone (the batch-1 bucket where there is one)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                        + [llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids])
             assert llm.engine.stats().num_bursts > 0
         finally:
             llm.engine.close()
     assert outs[0] == outs[1]
+    assert outs[0][0] == outs[0][-1]  # alone as in the batch
     assert len({tuple(t) for t in outs[0]}) > 1  # the prompts lead to different tokens
 
 

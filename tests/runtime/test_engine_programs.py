@@ -127,17 +127,17 @@ def test_greedy_head_bursts_equal_greedy_bursts(monkeypatch):
     model = scaled_dummy()
     cfg = EngineConfig(**{**BASE, "seq_buckets": (8,)}, decode_steps=4)
     plain = Engine(model, cfg)
-    assert plain.executor.greedy_head_min_seqs is None  # float32 on the CPU: no kernel
+    assert plain.executor.greedy_head_seqs == frozenset()  # float32 on the CPU: no kernel
     # the executor's switch only: the graph keeps the reference head (the logits' argmax)
-    monkeypatch.setattr(runtime.engine, "_greedy_head_min_seqs", lambda model: 8)
+    monkeypatch.setattr(runtime.engine, "_greedy_head_seqs", lambda model, seq_buckets: frozenset(seq_buckets))
     headed = Engine(model, cfg)  # the same forward: the programs both have compile once
     try:
         heads = [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
         assert heads and not [k for k in plain.executor.program_keys() if k in heads]
         assert {k[1:3] for k in heads} == set(headed.buckets.decode_pairs())
-        headed.executor.greedy_head_min_seqs = 9  # only from 9 sequences: none of these buckets
+        headed.executor.greedy_head_seqs = frozenset({16})  # none of these buckets
         assert not [k for k in headed.executor.program_keys() if k[3:4] == (runtime.step.GREEDY_HEAD,)]
-        headed.executor.greedy_head_min_seqs = 8
+        headed.executor.greedy_head_seqs = frozenset({8})
         used = spy_programs(monkeypatch, headed.executor)
         reqs = greedy_requests("g")
         for rid, prompt, params in reqs[:3]:
