@@ -166,14 +166,14 @@ def test_greedy_head_bursts_give_the_logits_path_tokens(seq_buckets):
         try:
             keys = {k[2] for k in llm.engine.executor.program_keys() if k[3:4] == (GREEDY_HEAD,)}
             assert keys == (set(seq_buckets) if heads else set()), keys
-            # all six prompts at once, then one alone (the batch-1 bucket where there is one)
+            # all six prompts at once, then one alone (the batch-1 bucket where there is one; bf16 tokens
+            # alone may differ from the batch's, whose prefill chunks differ, but not between the two heads)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                         + [llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids])
             assert llm.engine.stats().num_bursts > 0
         finally:
             llm.engine.close()
     assert outs[0] == outs[1]
-    assert outs[0][0] == outs[0][-1]  # alone as in the batch
     assert len({tuple(t) for t in outs[0]}) > 1  # the prompts lead to different tokens
 
 
