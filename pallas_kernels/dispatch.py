@@ -234,7 +234,8 @@ GREEDY_HEAD_MIN_ROWS = 64
 GREEDY_HEAD_GEMV_MAX_ROWS = 16
 
 
-def greedy_head(x, head, *, transposed: bool, rows=None, precision=None, implementation: str = "reference") -> jax.Array:
+def greedy_head(x, head, *, transposed: bool, rows=None, precision=None,
+                implementation: str = "reference") -> jax.Array:
     """i32[R]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
     (`transposed`: head [V, D], a tied embedding); the first index among equal maxima. rows: the
     rows of x [T, D] to take logits for (i32[R], jnp.take's indices), or None for all (R = T).

@@ -13,11 +13,12 @@ identities (runtime/sampling.py), and a fourth variant per sampler would lengthe
 nothing. Where the model's greedy head is a kernel (one Hopper GPU: the argmax in the LM head's
 epilogue, the logits never written; up to dispatch.GREEDY_HEAD_GEMV_MAX_ROWS rows and from
 dispatch.GREEDY_HEAD_MIN_ROWS), one more burst per decode pair of such a seq bucket, GREEDY_HEAD,
-runs the bursts whose rows are all greedy with nothing banned, no penalties and no logprobs. And the page table update programs, one per
-PAGE_UPDATE_BUCKETS size: the executor keeps the page tables on the device (`sync_pages`). Where the
-model's decode-only forward differs from its other one (dispatch.decode_attention_is_fused: on a
-GPU, each layer's KV write inside the attention launch), also a decode-only model program per
-decode pair, which single steps without a prefill token run (the bursts' model steps already are).
+runs the bursts whose rows are all greedy with nothing banned, no penalties and no logprobs. And
+the page table update programs, one per PAGE_UPDATE_BUCKETS size: the executor keeps the page
+tables on the device (`sync_pages`). Where the model's decode-only forward differs from its other
+one (dispatch.decode_attention_is_fused: on a GPU, each layer's KV write inside the attention
+launch), also a decode-only model program per decode pair, which single steps without a prefill
+token run (the bursts' model steps already are).
 Bursts of seq buckets up to EngineConfig.unroll_burst_max_seqs sequences (on a GPU by default the
 batch-1 bucket) compile their K model steps unrolled: faster there, longer to compile.
 
@@ -175,7 +176,7 @@ class StepExecutor:
         burst_fn: Callable | None = None,  # runtime/step.make_burst_fn; needed when decode_steps > 1
         decode_steps: int = 1,  # K of the bursts to compile (StepPlan.num_steps); 1: none
         gpu_cublas_min_tokens: int | None = None,  # EngineConfig.gpu_cublas_min_tokens
-        greedy_head_seqs: frozenset[int] = frozenset(),  # seq buckets with GREEDY_HEAD bursts (engine._greedy_head_seqs)
+        greedy_head_seqs: frozenset[int] = frozenset(),  # seq buckets with GREEDY_HEAD bursts (_greedy_head_seqs)
         decode_programs: bool = False,  # decode-only model programs per decode pair (engine._decode_programs)
         unroll_burst_max_seqs: int | None = None,  # EngineConfig.unroll_burst_max_seqs
     ):

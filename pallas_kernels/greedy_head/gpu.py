@@ -3,17 +3,17 @@ head GEMV with each row's argmax over its block of vocabulary in the epilogue, s
 never written and no separate argmax runs over them.
 
 Why: below 64 rows (where the Mosaic GPU kernel, gpu_mosaic.py, takes over) a greedy decode step ran
-XLA's Triton GEMV for the head, writing [T, V] f32 logits, then XLA's argmax over them in two
-reduction kernels (plus, in a burst's plain greedy sampler, a scatter of the banned ids):
-llama3_2_1b at batch 1 on an H200, ~6 us a token of small kernels beside the head's ~126
-(docs/benchmarks.md).
+a gather of the rows it takes logits for, XLA's Triton GEMV for the head writing [R, V] f32 logits,
+then XLA's argmax over them in two reduction kernels (and, in a burst's plain greedy sampler, a
+scatter of the banned ids): llama3_2_1b at batch 1 on an H200, ~7 us a token of small kernels beside
+the head's ~125 (docs/kernels/greedy_head.md).
 
 Structure: a program per `block_v` vocabulary ids. It walks the contraction in `block_k` steps
 (`triton_tiles.contraction_block`), loading its x rows (padded to 16 in registers, the smallest
-Triton dot; with `rows`, the rows of x those indices name, so the forward's gather of the rows it
-takes logits for is not a kernel of its own) and the head's [block_k, block_v] tile, or the tied
-embedding's [block_v, block_k] tile read transposed, into one f32 accumulator. The epilogue takes each row's maximum over the block and
-the first id holding it, and writes both to partials [V / block_v, T]; `argmax_of_block_partials`
+Triton dot; with `rows`, the rows of x those indices name, so the forward's gather is not a kernel
+of its own) and the head's [block_k, block_v] tile, or the tied embedding's [block_v, block_k] tile
+read transposed, into one f32 accumulator. The epilogue takes each row's maximum over the block and
+the first id holding it, and writes both to partials [V / block_v, R]; `argmax_of_block_partials`
 (shared with the Mosaic kernel) then picks the first block holding the row's maximum. Ids past V
 (the last block of a vocabulary that block_v does not divide) are masked to -inf. The result is the
 first index among equal maxima, as jnp.argmax gives, for rows without NaN (a NaN row's token is
