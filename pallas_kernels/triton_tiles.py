@@ -19,6 +19,21 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def check_block_sizes(bs, *, dot_dims: tuple[str, str]) -> None:
+    """Validate a Triton GEMV's BlockSizes dataclass `bs`: its two tile dims `dot_dims` (the output
+    columns and block_k) and num_warps positive powers of two, the tile dims at least 16 (Triton's
+    smallest dot), num_stages a positive int. Raises ValueError naming the bad field."""
+    for name in (*dot_dims, "num_warps"):
+        v = getattr(bs, name)
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v!r} must be a positive power of two")
+    if min(getattr(bs, name) for name in dot_dims) < MIN_DOT_ROWS:
+        dims = " and ".join(f"{name}={getattr(bs, name)}" for name in dot_dims)
+        raise ValueError(f"{dims} must be at least {MIN_DOT_ROWS} (Triton's dot)")
+    if not isinstance(bs.num_stages, int) or bs.num_stages < 1:
+        raise ValueError(f"num_stages={bs.num_stages!r} must be a positive int")
+
+
 def contraction_block(D: int, block_k: int) -> int:
     """A GEMV's contraction step for a hidden size D: block_k, or the largest power of two dividing
     D if that is smaller (576 -> 64); 0 if it would be below 16 (Triton's smallest dot)."""

@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.swiglu.reference import cost, validate
-from pallas_kernels.triton_tiles import MIN_DOT_ROWS, contraction_block, early_launch_enabled, launch_dependents
+from pallas_kernels.triton_tiles import (MIN_DOT_ROWS, check_block_sizes, contraction_block, early_launch_enabled,
+                                          launch_dependents)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +37,7 @@ class BlockSizes:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v!r} must be a positive power of two")
-        if self.block_n < 16 or self.block_k < 16:
-            raise ValueError(f"block_n={self.block_n} and block_k={self.block_k} must be at least 16 (Triton's dot)")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages!r} must be a positive int")
+        check_block_sizes(self, dot_dims=("block_n", "block_k"))
 
 
 # An H200 sweep at llama3_2_1b's shape, 2 rows (block_n 32/64/128 x block_k 64/128/256 x 4/8 warps x
