@@ -54,6 +54,13 @@ class RMSNorm(nnx.Module):
         projection, may be its f32 partial products (dispatch.gemv_partials), r the residual stream."""
         return dispatch.add_rms_norm(x, r, self.scale[...], eps=self.eps, implementation=implementation)
 
+    def embed(self, table, ids, rows: int, dtype, implementation: str):
+        """(table[ids] cast to dtype, this norm of it), [rows, D] (rows past the ids: id 0's): the
+        model's entry (one launch on one GPU; implementation: the model's gemm_impl,
+        dispatch.embed_rms_norm)."""
+        return dispatch.embed_rms_norm(table, ids, self.scale[...], eps=self.eps, dtype=dtype, rows=rows,
+                                       implementation=implementation)
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str, dtype,
@@ -196,15 +203,15 @@ class LlamaModel(nnx.Module):
             # reduction: three times the weight traffic. A second, padding token (past
             # cu_q_lens[num_seqs], so attention and the KV writer ignore it) keeps every
             # projection a GEMM: batch-1 decode of llama3_2_1b 1.57 -> ~0.95 ms per step on an H200
-            # (docs/benchmarks.md).
-            tokens, positions = jnp.pad(tokens, (0, 1)), jnp.pad(positions, (0, 1))
+            # (docs/benchmarks.md). Its embedding row is id 0's (the embedding pads the ids).
+            positions = jnp.pad(positions, (0, 1))
             if logits_indices is None:
                 logits_indices = jnp.zeros((1,), jnp.int32)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        # The tokens' embedding rows and the first layer's input norm of them (one launch on one GPU)
+        x, h = self.layers[0].input_norm.embed(self.embed[...], tokens, positions.shape[0], self.dtype, self.gemm_impl)
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(self.cfg))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         new_pages = []
-        h = self.layers[0].input_norm(x)
         for i, (layer, pages) in enumerate(zip(self.layers, kv_pages)):
             # Each residual add is fused with the norm that reads it (RMSNorm.add), the last one with the
             # final norm: at batch 1 on an H200 one launch where XLA ran three (the add, the norm's

@@ -123,6 +123,23 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
 
 
+def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = None,
+                   implementation: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """(x, RMSNorm(x) * scale) for the embedding rows x = table[ids] cast to `dtype`, [rows, D] (rows
+    past the ids embed id 0): the model's entry and its first layer's input norm (see
+    rms_norm/reference.py, ref_embed_rms_norm).
+
+    implementation: the model's gemm_impl (select_gemm_impl): "mosaic_gpu" (one GPU, the table whole
+    on it) -> one Pallas Triton launch that gathers the rows itself (rms_norm/gpu.py), where XLA runs
+    the gather and the norm as two; "reference" -> jnp (on several devices the table may be split
+    over `vocab`, and a custom call would make XLA gather it whole)."""
+    if implementation == "mosaic_gpu" and _rms_norm.gpu.embed_supports(table):
+        return _rms_norm.embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
+    if implementation in ("mosaic_gpu", "reference"):
+        return _rms_norm.ref_embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
+    raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
+
+
 # Batch-1 decode steps of small models on one Hopper GPU run the q/k/v, o and down projections as
 # GEMV_PARTS[name] batched GEMVs over slices of the contraction, leaving f32 partial products that the
 # kernel after each sums (write_qkv_attention, add_rms_norm). XLA splits these GEMVs' K itself at

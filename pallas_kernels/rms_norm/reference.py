@@ -25,6 +25,30 @@ def ref_add_rms_norm(x: jax.Array, r: jax.Array, scale: jax.Array, *, eps: float
     return s, rms_norm(s, scale, eps=eps)
 
 
+def ref_embed_rms_norm(table: jax.Array, ids: jax.Array, scale: jax.Array, *, eps: float, dtype,
+                       rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The model's entry: (x, rms_norm(x)) for the embedding rows x = table[ids] (jnp.take: negative
+    ids count from the end, ids out of range give NaN rows) cast to `dtype`. table [V, D], ids i32[T],
+    scale [D]; rows >= T (default T): the output's rows, those past the ids embedding id 0 (ids
+    padded with zeros)."""
+    rows = validate_embed(table, ids, scale, rows)
+    x = jnp.take(table, jnp.pad(ids, (0, rows - ids.shape[0])), axis=0).astype(dtype)
+    return x, rms_norm(x, scale, eps=eps)
+
+
+def validate_embed(table: jax.Array, ids: jax.Array, scale: jax.Array, rows: int | None) -> int:
+    """The output's rows (rows, or len(ids) for None), once the arguments check out."""
+    if table.ndim != 2 or ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"table {table.shape} must be [V, D] and ids {ids.shape} {ids.dtype} integers [T]")
+    if scale.shape != table.shape[1:]:
+        raise ValueError(f"scale {scale.shape} must be [D] = [{table.shape[1]}]")
+    if rows is None:
+        return ids.shape[0]
+    if rows < ids.shape[0]:
+        raise ValueError(f"rows={rows} must be at least the {ids.shape[0]} ids")
+    return rows
+
+
 def validate(x: jax.Array, r: jax.Array, scale: jax.Array):
     partials = x.ndim == 3 and x.shape[1:] == r.shape and x.dtype == jnp.float32
     if r.ndim != 2 or not (partials or (r.shape == x.shape and x.dtype == r.dtype)):
