@@ -56,7 +56,7 @@ class RMSNorm(nnx.Module):
 
     def embed(self, table, ids, rows: int, dtype, implementation: str):
         """(table[ids] cast to dtype, this norm of it), [rows, D] (rows past the ids: id 0's): the
-        model's entry (one launch on one GPU; implementation: the model's gemm_impl,
+        model's entry (one launch on one Hopper GPU; implementation: the model's gemm_impl,
         dispatch.embed_rms_norm)."""
         return dispatch.embed_rms_norm(table, ids, self.scale[...], eps=self.eps, dtype=dtype, rows=rows,
                                        implementation=implementation)
@@ -207,7 +207,7 @@ class LlamaModel(nnx.Module):
             positions = jnp.pad(positions, (0, 1))
             if logits_indices is None:
                 logits_indices = jnp.zeros((1,), jnp.int32)
-        # The tokens' embedding rows and the first layer's input norm of them (one launch on one GPU)
+        # The tokens' embedding rows and the first layer's input norm of them (one launch on one Hopper GPU)
         x, h = self.layers[0].input_norm.embed(self.embed[...], tokens, positions.shape[0], self.dtype, self.gemm_impl)
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(self.cfg))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)

@@ -129,7 +129,7 @@ def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = N
     past the ids embed id 0): the model's entry and its first layer's input norm (see
     rms_norm/reference.py, ref_embed_rms_norm).
 
-    implementation: the model's gemm_impl (select_gemm_impl): "mosaic_gpu" (one GPU, the table whole
+    implementation: the model's gemm_impl (select_gemm_impl): "mosaic_gpu" (one Hopper GPU, the table whole
     on it) -> one Pallas Triton launch that gathers the rows itself (rms_norm/gpu.py), where XLA runs
     the gather and the norm as two; "reference" -> jnp (on several devices the table may be split
     over `vocab`, and a custom call would make XLA gather it whole)."""
