@@ -133,9 +133,9 @@ def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = N
     on it) -> one Pallas Triton launch that gathers the rows itself (rms_norm/gpu.py), where XLA runs
     the gather and the norm as two; "reference" -> jnp (on several devices the table may be split
     over `vocab`, and a custom call would make XLA gather it whole)."""
-    if implementation == "mosaic_gpu" and _rms_norm.gpu.embed_supports(table):
+    if implementation == "mosaic_gpu":
         return _rms_norm.embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
-    if implementation in ("mosaic_gpu", "reference"):
+    if implementation == "reference":
         return _rms_norm.ref_embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
     raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
 

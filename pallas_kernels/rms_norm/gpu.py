@@ -142,11 +142,6 @@ def _embed_rms_norm(table, ids, scale, *, eps, dtype, rows, block_rows, interpre
     )(ids.astype(jnp.int32), table, scale)
 
 
-def embed_supports(table: jax.Array) -> bool:
-    """Whether embed_rms_norm takes this table: the kernel indexes it with int32 offsets."""
-    return table.size < 2**31
-
-
 def embed_rms_norm(table: jax.Array, ids: jax.Array, scale: jax.Array, *, eps: float, dtype, rows: int | None = None,
                    block_rows: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Pallas Triton kernel; same contract as reference.ref_embed_rms_norm: (x, RMSNorm(x) * scale)
@@ -157,8 +152,6 @@ def embed_rms_norm(table: jax.Array, ids: jax.Array, scale: jax.Array, *, eps: f
 
     interpret: True runs the kernel body as jnp on the host (CPU tests)."""
     rows = validate_embed(table, ids, scale, rows)
-    if not embed_supports(table):
-        raise ValueError(f"table {table.shape} has 2**31 or more elements: the kernel indexes it with int32")
     D = table.shape[1]
     if block_rows is None:
         block_rows = default_block_rows(rows, D)
