@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +101,7 @@ TRITON_TEST_BLOCKS = BlockSizes(block_q=16, block_kv=32)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_tpu_kernel_interpret(case, dtype):
-    check_against_reference(CASES[case], dtype, "tpu", TPU_TEST_BLOCKS, True, seed=hash(case) % 1000)
+    check_against_reference(CASES[case], dtype, "tpu", TPU_TEST_BLOCKS, True, seed=zlib.crc32(case.encode()) % 1000)
 
 
 @pytest.mark.parametrize("case", ["chunk_window_cap", "segment_ids", "non_causal"])
@@ -115,7 +116,8 @@ def test_tpu_kernel_interpret_params_oob_checked(case):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_triton_kernel_interpret(case, dtype):
-    check_against_reference(CASES[case], dtype, "triton", TRITON_TEST_BLOCKS, True, seed=hash(case) % 1000 + 1)
+    check_against_reference(CASES[case], dtype, "triton", TRITON_TEST_BLOCKS, True,
+                            seed=zlib.crc32(case.encode()) % 1000 + 1)
 
 
 def test_kernels_skip_hidden_blocks_and_still_match():

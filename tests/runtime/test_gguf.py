@@ -200,8 +200,14 @@ def assert_matches_hf(model, loaded, *, new_tokens: int = 32):
     ours = greedy_generate(loaded, prompt, new_tokens)
     atol, rtol = MODEL_LOGITS_F32
     np.testing.assert_allclose(ours.prompt_logits, ref, atol=atol, rtol=rtol)
-    hf_tokens, _ = hf_greedy(model, prompt, new_tokens)
-    assert ours.tokens == hf_tokens
+    # Greedy tokens must agree up to the reference's first near-tie: with logits within atol, a
+    # top-2 gap over 2 * atol forces the same argmax; below it float reassociation may flip it (these
+    # random models put a top-2 gap under 3e-5, the size of the logit differences, in ~0.5% of runs).
+    hf_tokens, hf_logits = hf_greedy(model, prompt, new_tokens)
+    top2 = -np.sort(-hf_logits, axis=-1)[:, :2]
+    ties = np.flatnonzero(top2[:, 0] - top2[:, 1] <= 2 * atol)
+    n = int(ties[0]) if len(ties) else len(hf_tokens)
+    assert ours.tokens[:n] == hf_tokens[:n]
 
 
 def test_llama_gguf_vs_hf(tmp_path):

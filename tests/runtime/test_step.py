@@ -364,20 +364,25 @@ def test_step_matches_plain_forward(tiny_model, executor):
 
     def ref(prompt):
         logits = greedy_generate(m, prompt, 1, page_size=8).prompt_logits[-1].astype(np.float64)
-        lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-        return np.argsort(-lp)[:5], np.sort(lp)[::-1][:5]
+        return logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())  # f64[V]
 
     atol = MODEL_LOGITS_F32[0]
+
+    def check(row, ids, lps, prompt):
+        # The top 5 ids in order, up to near-ties: the paged and plain logprobs differ by up to ~1e-6
+        # and this dummy model's logits (std ~0.17) put two of the top 6 within 1e-5 of each other in
+        # ~1 row of 600, so an id may stand in for one whose reference logprob is within atol of its.
+        want = ref(prompt)
+        want_lps = np.sort(want)[::-1][:5]
+        np.testing.assert_allclose(lps[row], want_lps, atol=atol)
+        np.testing.assert_allclose(want[ids[row]], want_lps, atol=atol, err_msg=f"ids {ids[row]}")
+
     tok, ids, lps = run(plan_of(seq("a", a, 0, pages_a), seq("b", b[:10], 0, pages_b, sample=False, slot=1)))
-    want_ids, want_lps = ref(a)
-    np.testing.assert_allclose(lps[0], want_lps, atol=atol)
-    np.testing.assert_array_equal(ids[0], want_ids)
+    check(0, ids, lps, a)
     t_a = int(tok[0])
     tok, ids, lps = run(plan_of(seq("a", [t_a], 12, pages_a, prefill=False), seq("b", b[10:], 10, pages_b, slot=1)))
     for row, prompt in ((0, a + [t_a]), (1, b)):
-        want_ids, want_lps = ref(prompt)
-        np.testing.assert_allclose(lps[row], want_lps, atol=atol)
-        np.testing.assert_array_equal(ids[row], want_ids)
+        check(row, ids, lps, prompt)
     assert ex.compiled_buckets == [(16, 2), (32, 2)]
     # a model program per bucket, 6 sampler programs for S = 2, the page table update programs
     assert ex.num_warmup_compiles == 2 + 6 + len(PAGE_UPDATE_BUCKETS)
