@@ -80,3 +80,12 @@ def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[i
             seq.append(int(last.argmax()))
             x = torch.tensor([[seq[-1]]])
     return seq[len(prompt):], np.stack(logits)
+
+
+def steps_before_near_tie(ref_logits: np.ndarray, atol: float) -> int:
+    """How many leading greedy steps two runs must agree on, given the reference's f32[n, V] step
+    logits and the runs' logits within atol of each other: up to the first step whose top-2 gap is at
+    most 2 * atol (there float reassociation may flip the argmax), else all n."""
+    top2 = -np.sort(-ref_logits, axis=-1)[:, :2]
+    ties = np.flatnonzero(top2[:, 0] - top2[:, 1] <= 2 * atol)
+    return int(ties[0]) if len(ties) else len(ref_logits)
