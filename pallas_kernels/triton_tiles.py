@@ -45,10 +45,22 @@ def load_parts(ref, rows, cols, *, parts: int, part_rows: int, mask, dtype):
     """f32 ref[rows, cols] (masked lanes 0), or with parts > 1 the sum of the `parts` partial products
     stored one after the other in ref (part p's row r at r + p * part_rows), rounded to `dtype`: what
     the GEMV would have written."""
-    x = plgpu.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
-    if parts > 1:
-        for p in range(1, parts):
-            x += plgpu.load(ref.at[rows + p * part_rows, cols], mask=mask, other=0.0)
+    return sum_parts(load_part_tiles(ref, rows, cols, parts=parts, part_rows=part_rows, mask=mask), dtype)
+
+
+def load_part_tiles(ref, rows, cols, *, parts: int, part_rows: int, mask) -> list:
+    """load_parts' loads alone: each part's tile ref[rows + p * part_rows, cols] (masked lanes 0), nothing
+    computed on them yet, so that a kernel can issue other loads before it waits on these."""
+    return [plgpu.load(ref.at[rows + p * part_rows, cols], mask=mask, other=0.0) for p in range(parts)]
+
+
+def sum_parts(tiles: list, dtype):
+    """load_parts' arithmetic on load_part_tiles' tiles: one tile as f32, or the f32 sum of several
+    rounded to `dtype`."""
+    x = tiles[0].astype(jnp.float32)
+    if len(tiles) > 1:
+        for t in tiles[1:]:
+            x += t
         x = x.astype(dtype).astype(jnp.float32)
     return x
 

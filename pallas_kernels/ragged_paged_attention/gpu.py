@@ -2,8 +2,9 @@
 
 Work decomposition (all static shapes, so one compile serves every batch of a given padding):
   * a work item is up to `q_tokens_per_block` query tokens of ONE sequence; the item table
-    (sequence, first token) is built with a few jnp ops before the launch, with a static upper
-    bound of min(T, cdiv(T, bq) + S) items. Unused items write zeros to the padding tokens' rows
+    (sequence, first token, and the sequence's query range and KV length, so that a program's first
+    loads do not wait on one another) is built with a few jnp ops before the launch, with a static
+    upper bound of min(T, cdiv(T, bq) + S) items. Unused items write zeros to the padding tokens' rows
     (without splits; with splits the merge does), so no select over the output follows the call
     (one a layer, 15 ms of the offline run on an H100);
   * grid = (items, KV heads / kv_heads_per_block, kv_splits). A program stacks the q heads of its
@@ -28,7 +29,9 @@ default is TF32, ~1e-3 relative error).
 
 `write_qkv_attention` runs both for decode steps (at most one token a sequence: the engine's decode
 bursts) in one launch: the attention RoPEs q and the token's own k from the projection, reads only
-the keys before it from the pages, and writes k and v (split 0).
+the keys before it from the pages, and writes k and v (split 0). Its loads go out before its
+arithmetic and its store (with splits, the first key block's too): a batch-1 step waits on each
+kernel's chain of round trips to memory, not on its bytes.
 
 `write_qkv` is the step's KV write, from the merged QKV projection: the same contract as
 reference.ref_write_qkv, in place (the pool is aliased to the output). Grid over blocks of the
@@ -59,7 +62,8 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
     write_kv_cost_estimate,
 )
-from pallas_kernels.triton_tiles import early_launch_enabled, launch_dependents, load_parts, next_pow2
+from pallas_kernels.triton_tiles import (early_launch_enabled, launch_dependents, load_part_tiles, next_pow2,
+                                          sum_parts)
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -156,12 +160,10 @@ def check_block_sizes(bs: BlockSizes, q, kv_pages, page_indices) -> tuple[int, i
 
 
 def _kernel(
-    item_seq_ref,  # i32[W] sequence of each work item, -1 if unused
-    item_tok_ref,  # i32[W] first query token of each work item
-    kv_lens_ref,  # i32[S]
+    items_ref,  # i32[5 * W + 2]: each work item's sequence (-1 if unused), first query token, and its
+    #             sequence's cu_q_lens[s], cu_q_lens[s + 1] and kv_lens[s], W items a field; then the
+    #             real tokens' bounds cu_q_lens[0], cu_q_lens[num_seqs] (_item_table)
     page_indices_ref,  # i32[S * P_max]
-    cu_q_lens_ref,  # i32[S + 1]
-    num_seqs_ref,  # i32[1]
     q_ref,  # [T * N, H]; with decode_write, the merged projection's rows [qkv_parts * T * K * (R + 2), H]
     kv_ref,  # [P * G * 2K, H]
     *refs,  # (cos, sin f32[T, H/2])? o, (lse,)?, (pool out, aliased to kv_ref)?
@@ -180,6 +182,7 @@ def _kernel(
     unmasked_full_blocks: bool,
     decode_write: bool,
     qkv_parts: int,
+    peel_first_block: bool,
     early_launch: bool,
 ):
     # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
@@ -190,7 +193,9 @@ def _kernel(
     i, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_per_kv = num_heads // num_kv_heads
     num_tokens = o_ref.shape[-2] // num_heads
-    s = item_seq_ref[i]
+    # The item's fields in one round trip to memory: none of these loads waits on another.
+    W = (items_ref.shape[0] - 2) // 5
+    s, q0, q_start, q_end, kv_len = (items_ref[f * W + i] for f in range(5))
     # Row r: token r // (kv_heads * q_per_kv) of the item, KV head row_head, q head row_q.
     r = launch_dependents(jnp.arange(rows, dtype=jnp.int32), early_launch)
     row_tok = lax.div(r, kv_heads * q_per_kv)
@@ -203,13 +208,13 @@ def _kernel(
 
     if kv_splits == 1:
         # An unused item zeroes up to q_tokens padding tokens (those before cu_q_lens[0] and from
-        # cu_q_lens[num_seqs] on; item_tok holds its first index among them): the step's padding
+        # cu_q_lens[num_seqs] on; its token field holds its first index among them): the step's padding
         # rows come out as zeros with no select over the whole output after the call. There are
         # always enough unused items for that (_work_items).
         @pl.when(s < 0)
         def _():
-            lead, tail = cu_q_lens_ref[0], cu_q_lens_ref[num_seqs_ref[0]]
-            p = item_tok_ref[i] + row_tok
+            lead, tail = items_ref[5 * W], items_ref[5 * W + 1]
+            p = q0 + row_tok
             tok = jnp.where(p < lead, p, p - lead + tail)
             ok = row_used & (tok < num_tokens)
             dst = jnp.where(ok, tok * num_heads + row_q, o_ref.shape[0] + r)
@@ -219,8 +224,6 @@ def _kernel(
 
     @pl.when(s >= 0)
     def _():
-        q0 = item_tok_ref[i]
-        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
         ctx = kv_len - (q_end - q_start)  # KV position of the sequence's first query token
         tok = q0 + row_tok
         row_ok = row_used & (tok < q_end)
@@ -241,34 +244,6 @@ def _kernel(
         # Index arrays on every axis: interpret mode cannot mix gathers with slices.
         H = kv_ref.shape[1]
         cols = jnp.arange(H, dtype=jnp.int32)[None, :]
-        if decode_write:
-            # The row's query head, its KV head's k and v in the merged projection's rows; RoPE on q
-            # and k as write_qkv applies it (rounded to the projection's dtype), k and v of the
-            # token's own position kept for the softmax's first term and the write below.
-            group = (tok * num_kv_heads + row_head) * (q_per_kv + 2)
-            c = jnp.arange(H, dtype=jnp.int32)
-            partner = jnp.where(c < H // 2, c + H // 2, c - H // 2)[None, :]
-            sign = jnp.where(c < H // 2, -1.0, 1.0)[None, :]
-            freq = lax.rem(c, H // 2)[None, :]
-            cos, sin = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0)
-                        for ref in (cos_ref, sin_ref))
-
-            def load(src, cc):
-                # The projection's rows; from partial products (qkv_parts > 1), their f32 sum rounded
-                # to the cache's dtype, which is the model's.
-                return load_parts(q_ref, src[:, None], cc, parts=qkv_parts, part_rows=q_ref.shape[0] // qkv_parts,
-                                  mask=row_ok[:, None], dtype=kv_ref.dtype)
-
-            def rope(src):
-                x, xp = load(src, cols), load(src, partner)
-                return (x * cos + sign * xp * sin).astype(q_ref.dtype).astype(kv_ref.dtype)
-
-            q = rope(group + lax.rem(r, q_per_kv))
-            k_new = rope(group + q_per_kv)
-            v_new = load(group + q_per_kv + 1, cols).astype(kv_ref.dtype)
-        else:
-            q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
-
         # Key column c: key b * kv_block + c % kv_block of KV head col_head (the program's KV heads
         # side by side); a row sees only its own head's columns.
         # With one KV head the columns are the keys and the head a scalar: no column arithmetic.
@@ -279,8 +254,8 @@ def _kernel(
         else:
             col_head, col_key, head_mask = hb, c, None
 
-        def body(b, carry, *, masked: bool):
-            m, l, acc = carry
+        def load_block(b, *, masked: bool):
+            """Key block b's positions, their mask and its K and V tiles (masked keys: no load)."""
             pos = b * kv_block + col_key
             pos_ok = ((pos >= lo) & (pos < hi)) if masked else None
             page = plgpu.load(page_indices_ref.at[s * pages_per_seq + lax.div(pos, page_size)],
@@ -289,6 +264,12 @@ def _kernel(
             kv_ok, zero = (pos_ok[:, None], 0.0) if masked else (None, None)
             k = plgpu.load(kv_ref.at[kv_row[:, None], cols], mask=kv_ok, other=zero)
             v = plgpu.load(kv_ref.at[kv_row[:, None] + 1, cols], mask=kv_ok, other=zero)
+            return pos, pos_ok, k, v
+
+        def attend(carry, block, *, masked: bool):
+            """The online softmax's update by one loaded key block (a no-op where every key is masked)."""
+            m, l, acc = carry
+            pos, pos_ok, k, v = block
             logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, kv_block]
             # Scaled after the dot, in f32: folding the scale into bf16 q would round it.
             if soft_cap is None:
@@ -312,8 +293,50 @@ def _kernel(
             pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return m_next, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
+        def body(b, carry, *, masked: bool):
+            return attend(carry, load_block(b, masked=masked), masked=masked)
+
         init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, H), f32))
+        first = None  # the split's first key block, loaded ahead (peel_first_block)
         if decode_write:
+            # The row's query head, its KV head's k and v in the merged projection's rows; RoPE on q
+            # and k as write_qkv applies it (rounded to the projection's dtype), k and v of the
+            # token's own position kept for the softmax's first term and the write below.
+            # Every load is issued before any arithmetic on a loaded value and before the KV write's
+            # store: the projection's parts, the write slot's page and (peel_first_block) the first
+            # key block's page and K/V tiles travel at once, rather than one round trip after another.
+            group = (tok * num_kv_heads + row_head) * (q_per_kv + 2)
+            hc = jnp.arange(H, dtype=jnp.int32)
+            partner = jnp.where(hc < H // 2, hc + H // 2, hc - H // 2)[None, :]
+            sign = jnp.where(hc < H // 2, -1.0, 1.0)[None, :]
+            freq = lax.rem(hc, H // 2)[None, :]
+            cos, sin = (plgpu.load(ref.at[tok[:, None], freq], mask=row_ok[:, None], other=0.0)
+                        for ref in (cos_ref, sin_ref))
+
+            def parts(src, cc):
+                # The projection's rows; from partial products (qkv_parts > 1), summed later (sum_parts)
+                # in f32 and rounded to the cache's dtype, which is the model's.
+                return load_part_tiles(q_ref, src[:, None], cc, parts=qkv_parts,
+                                       part_rows=q_ref.shape[0] // qkv_parts, mask=row_ok[:, None])
+
+            q_src, k_src = group + lax.rem(r, q_per_kv), group + q_per_kv
+            q_parts, k_parts = (parts(q_src, cols), parts(q_src, partner)), (parts(k_src, cols), parts(k_src, partner))
+            v_parts = parts(k_src + 1, cols)
+            # Split 0 writes the token's k and v (one row of each query group) to its page slot.
+            writes = row_ok & (split == 0) & (lax.rem(r, q_per_kv) == 0)
+            w_page = plgpu.load(page_indices_ref.at[s * pages_per_seq + jnp.clip(lax.div(q_pos, page_size), 0,
+                                                                                pages_per_seq - 1)],
+                                mask=writes, other=0)
+            if peel_first_block:
+                first = load_block(b0, masked=True)  # keys before the token's own: not the slot written below
+
+            def rope(x_parts, xp_parts):
+                x, xp = sum_parts(x_parts, kv_ref.dtype), sum_parts(xp_parts, kv_ref.dtype)
+                return (x * cos + sign * xp * sin).astype(q_ref.dtype).astype(kv_ref.dtype)
+
+            q = rope(*q_parts)
+            k_new = rope(*k_parts)
+            v_new = sum_parts(v_parts, kv_ref.dtype).astype(kv_ref.dtype)
             # The token's own key starts the softmax of split 0 (every split's keys are before it).
             own = row_ok & (split == 0)
             s_own = jnp.sum(q.astype(f32) * k_new.astype(f32), axis=1)
@@ -324,19 +347,18 @@ def _kernel(
             init = (jnp.where(own, s_own, MASK_VALUE), jnp.where(own, 1.0, 0.0),
                     jnp.where(own[:, None], v_new.astype(f32), 0.0))
 
-            # Split 0 writes the token's k and v (one row of each query group) to its page slot.
             @pl.when(split == 0)
             def _():
-                page = plgpu.load(page_indices_ref.at[s * pages_per_seq + jnp.clip(lax.div(q_pos, page_size), 0,
-                                                                                  pages_per_seq - 1)],
-                                  mask=row_ok, other=0)
-                slot = page * page_size + lax.rem(q_pos, page_size)
+                slot = w_page * page_size + lax.rem(q_pos, page_size)
                 num_slots = kv_ref.shape[0] // (2 * num_kv_heads)
-                w_ok = row_ok & (lax.rem(r, q_per_kv) == 0) & (slot >= 0) & (slot < num_slots)
+                w_ok = writes & (slot >= 0) & (slot < num_slots)
                 # masked rows get distinct rows past the pool (interpret mode writes back every index)
                 dst = jnp.where(w_ok, slot * (2 * num_kv_heads) + 2 * row_head, kv_ref.shape[0] + 2 * r)
                 plgpu.store(kv_out_ref.at[dst[:, None], cols], k_new, mask=w_ok[:, None])
                 plgpu.store(kv_out_ref.at[dst[:, None] + 1, cols], v_new, mask=w_ok[:, None])
+        else:
+            q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+
         # unmasked_full_blocks (no window): blocks whose keys every row may see (all at or before the
         # item's first query position) skip the mask and the masked loads, in a loop of their own:
         # those below the diagonal of a prefill chunk. Rows past the item's tokens then hold q = 0
@@ -344,7 +366,9 @@ def _kernel(
         # Decode-shaped buckets keep one loop: a second pipelined loop made 64 x 4k (H = 128) 22%
         # slower on an H200 and 256 x 512 (H = 64) no faster (docs/kernels/ragged_paged_attention.md).
         full, carry = b0, init
-        if unmasked_full_blocks:
+        if first is not None:
+            full, carry = b0 + 1, attend(init, first, masked=True)
+        elif unmasked_full_blocks:
             full = jnp.clip(lax.div(ctx + q0 - q_start + 1, kv_block), b0, b1)
             carry = lax.fori_loop(b0, full, functools.partial(body, masked=False), init)
         m, l, acc = lax.fori_loop(full, b1, functools.partial(body, masked=True), carry)
@@ -356,6 +380,20 @@ def _kernel(
             plgpu.store(o_ref.at[split, q_rows[:, None], cols], out, mask=row_ok[:, None])
             lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
             plgpu.store(lse_ref.at[split, q_rows], lse, mask=row_ok)
+
+
+def _item_table(cu_q_lens, num_seqs, kv_lens, q_tokens: int, num_items: int):
+    """The kernels' `items` input, i32[5 * num_items + 2]: field by field, each work item's sequence (-1
+    unused) and first token (_work_items), then its sequence's cu_q_lens[s], cu_q_lens[s + 1] and
+    kv_lens[s] (those of sequence 0 for unused items); last, the real tokens' bounds cu_q_lens[0] and
+    cu_q_lens[num_seqs]. A program then loads what it needs to start in one round trip to memory,
+    where it loaded the sequence's fields after the item's (and the split merge num_seqs before
+    cu_q_lens[num_seqs]): llama3_2_1b's batch-1 step 0.925-0.931 -> 0.906-0.913 ms on an H200 with
+    the first key block loaded ahead (docs/benchmarks.md, thirty-eighth session)."""
+    seq, tok = _work_items(cu_q_lens, num_seqs, q_tokens, num_items)
+    s = jnp.maximum(seq, 0)
+    bounds = jnp.stack([cu_q_lens[0], cu_q_lens[num_seqs[0]]])
+    return jnp.concatenate([seq, tok, cu_q_lens[s], cu_q_lens[s + 1], kv_lens[s], bounds]).astype(jnp.int32)
 
 
 def _work_items(cu_q_lens, num_seqs, q_tokens: int, num_items: int):
@@ -399,23 +437,25 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     bq, bkv, kh, splits = check_block_sizes(block_sizes, q_shape, kv_pages, page_indices)
     rows = max(16, next_pow2(bq * kh * (N // K)))
     num_items = min(T, pl.cdiv(T, bq) + S)  # every item holds a token: no more items than tokens
-    item_seq, item_tok = _work_items(cu_q_lens, num_seqs, bq, num_items)
+    items = _item_table(cu_q_lens, num_seqs, kv_lens, bq, num_items)
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T * N, H), dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((splits, T * N, H), jnp.float32),
                      jax.ShapeDtypeStruct((splits, T * N), jnp.float32)]
-    inputs = [item_seq, item_tok, kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, q_in,
-              kv_pages.reshape(P * G * K2, H)]
+    inputs = [items, page_indices.reshape(-1), q_in, kv_pages.reshape(P * G * K2, H)]
     aliases = {}
     if rope is not None:
+        aliases = {len(inputs) - 1: len(out_shape)}  # the pool, updated in place
         inputs += list(rope)
-        aliases = {7: len(out_shape)}  # the pool, updated in place
         out_shape.append(jax.ShapeDtypeStruct((P * G * K2, H), kv_pages.dtype))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
         kv_block=bkv, kv_splits=splits, decode_write=rope is not None, qkv_parts=q.shape[0] if q.ndim == 5 else 1,
+        # Splits (small decode batches, latency-bound): the first key block's loads go with the
+        # projection's. Without splits (large batches, bandwidth-bound) the loop's pipeline has them.
+        peel_first_block=rope is not None and splits > 1,
         unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None,
         early_launch=early_launch_enabled(interpret))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -433,14 +473,14 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         name="ragged_paged_attention_gpu",
     )(*inputs)
     if splits > 1:  # the merge writes every token, zeros for padding ones
-        o = _merge_splits(*outs[:2], cu_q_lens, num_seqs, num_heads=N, dtype=dtype, interpret=interpret)
+        o = _merge_splits(*outs[:2], items, num_heads=N, dtype=dtype, interpret=interpret)
     else:
         o = outs[0]  # padding rows zeroed by the unused items
     o = o.reshape(T, N, H)
     return o if rope is None else (o, outs[-1].reshape(P, G, K2, H))
 
 
-def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
+def _merge_kernel(items_ref, o_ref, lse_ref, out_ref, *, num_heads: int, splits: int,
                   splits_pow2: int, early_launch: bool):
     """One output row (a token's q head): its kv_splits partial outputs weighted by their
     exp2(log-sum-exp). Every load is issued at once, none waiting on another: every split program of a
@@ -454,7 +494,8 @@ def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_h
     cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
     lse = plgpu.load(lse_ref.at[src], mask=sp < splits, other=-jnp.inf)
     o = plgpu.load(o_ref.at[src[:, None], cols[None, :]], mask=(sp < splits)[:, None], other=0.0)
-    real = (t >= cu_q_lens_ref[0]) & (t < cu_q_lens_ref[num_seqs_ref[0]])
+    n = items_ref.shape[0]
+    real = (t >= items_ref[n - 2]) & (t < items_ref[n - 1])  # the real tokens' bounds (_item_table)
     used = real & (lse > -jnp.inf)
     m = jnp.max(jnp.where(used, lse, -jnp.inf))
     w = jnp.where(used, jnp.exp2(lse - jnp.where(m > -jnp.inf, m, 0.0)), 0.0)
@@ -462,7 +503,7 @@ def _merge_kernel(cu_q_lens_ref, num_seqs_ref, o_ref, lse_ref, out_ref, *, num_h
     plgpu.store(out_ref.at[row * o_ref.shape[1] + cols], out.astype(out_ref.dtype))
 
 
-def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, interpret: bool):
+def _merge_splits(o_part, lse, items, *, num_heads: int, dtype, interpret: bool):
     """One launch, a program per output row: [kv_splits, T * N, H] f32 partials -> [T * N, H]
     dtype, where XLA's merge read and reduced every split in three or four kernels
     (docs/benchmarks.md). Loading every split's partial with the log-sum-exps, rather than after them
@@ -475,7 +516,7 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
     out = pl.pallas_call(
         kernel,
         grid=(TN,),
-        in_specs=[any_spec] * 4,
+        in_specs=[any_spec] * 3,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((TN * H,), dtype),
         # 2 warps for the [16, 64] tile measured (16 f32 a thread); wider tiles (64 splits x H = 128)
@@ -484,7 +525,7 @@ def _merge_splits(o_part, lse, cu_q_lens, num_seqs, *, num_heads: int, dtype, in
                                              num_stages=1),
         interpret=interpret,
         name="merge_attention_splits_gpu",
-    )(cu_q_lens, num_seqs, o_part.reshape(splits * TN, H), lse.reshape(splits * TN))
+    )(items, o_part.reshape(splits * TN, H), lse.reshape(splits * TN))
     return out.reshape(TN, H)
 
 

@@ -40,19 +40,26 @@ def _kernel(x_ref, r_ref, scale_ref, sum_ref, y_ref, *, eps: float, block_rows: 
     # x_ref: [parts * T, D], the partial products one after the other (parts == 1: x itself)
     T, D = r_ref.shape
     _, col, ok, idx = _rows_and_cols(block_rows, cols, T, D, early_launch)
+    w = _load_scale(scale_ref, col, D)
     x = load_parts(x_ref, *idx, parts=parts, part_rows=T, mask=ok, dtype=r_ref.dtype)  # the projection's dtype
     r = plgpu.load(r_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
     s = (x + r).astype(sum_ref.dtype)
     plgpu.store(sum_ref.at[idx], s, mask=ok)
-    _store_norm(y_ref, idx, ok, s, scale_ref, col, D=D, eps=eps)
+    _store_norm(y_ref, idx, ok, s, w, D=D, eps=eps)
 
 
-def _store_norm(y_ref, idx, ok, s, scale_ref, col, *, D: int, eps: float):
-    """y_ref[idx] = RMSNorm(s) * scale over each row's D columns (masked lanes of s must be 0), in f32
-    as reference.rms_norm computes it."""
+def _load_scale(scale_ref, col, D: int):
+    """The norm's scale as f32, loaded first: with every load of a kernel issued before its first store,
+    none waits behind that store (the compiler may not move a load past a store to another buffer,
+    which could alias), so the kernel makes one round trip to memory before it stores, not two."""
+    return plgpu.load(scale_ref.at[col], mask=col < D, other=0.0).astype(jnp.float32)
+
+
+def _store_norm(y_ref, idx, ok, s, w, *, D: int, eps: float):
+    """y_ref[idx] = RMSNorm(s) * w over each row's D columns (masked lanes of s must be 0; w the
+    scale from _load_scale), in f32 as reference.rms_norm computes it."""
     sf = s.astype(jnp.float32)
     inv = lax.rsqrt(jnp.sum(sf * sf, axis=1) / D + eps)
-    w = plgpu.load(scale_ref.at[col], mask=col < D, other=0.0).astype(jnp.float32)
     plgpu.store(y_ref.at[idx], (sf * inv[:, None] * w[None, :]).astype(y_ref.dtype), mask=ok)
 
 
@@ -112,6 +119,7 @@ def _embed_kernel(ids_ref, table_ref, scale_ref, x_ref, y_ref, *, eps: float, bl
     T, D = x_ref.shape
     V, n = table_ref.shape[0], ids_ref.shape[0]
     rows, col, ok, idx = _rows_and_cols(block_rows, cols, T, D, early_launch)
+    w = _load_scale(scale_ref, col, D)
     ids = plgpu.load(ids_ref.at[jnp.minimum(rows, n - 1)], mask=rows < n, other=0)  # rows past the ids: id 0
     ids = jnp.where(ids < 0, ids + V, ids)  # jnp.take's indexing: a negative id counts from the end
     found = (ids >= 0) & (ids < V)  # and an id out of range gives a NaN row
@@ -119,7 +127,7 @@ def _embed_kernel(ids_ref, table_ref, scale_ref, x_ref, y_ref, *, eps: float, bl
                    other=0.0)
     e = jnp.where(found[:, None], e.astype(x_ref.dtype), jnp.nan)
     plgpu.store(x_ref.at[idx], e, mask=ok)
-    _store_norm(y_ref, idx, ok, e, scale_ref, col, D=D, eps=eps)
+    _store_norm(y_ref, idx, ok, e, w, D=D, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "rows", "block_rows", "interpret"))

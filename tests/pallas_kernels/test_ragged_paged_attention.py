@@ -308,8 +308,9 @@ def test_gpu_merge_keeps_unwritten_partials_out():
     cu_q_lens, num_seqs = np.array([1, 2, 4, 4], np.int32), np.array([2], np.int32)  # real tokens 1-3
     lse[1:, N:2 * N], o[1:, N:2 * N] = -np.inf, np.nan  # token 1: only split 0 saw keys
     o[:, :N], lse[:, :N] = np.nan, np.nan  # padding token 0: NaN; padding token 4 keeps finite garbage
-    out = np.asarray(gpu._merge_splits(jnp.asarray(o), jnp.asarray(lse), jnp.asarray(cu_q_lens),
-                                       jnp.asarray(num_seqs), num_heads=N, dtype=jnp.float32, interpret=True))
+    items = gpu._item_table(jnp.asarray(cu_q_lens), jnp.asarray(num_seqs), jnp.zeros(3, jnp.int32), 1, T)
+    out = np.asarray(gpu._merge_splits(jnp.asarray(o), jnp.asarray(lse), items, num_heads=N, dtype=jnp.float32,
+                                       interpret=True))
     want = np.zeros((T * N, H), np.float32)
     for row in range(N, 4 * N):
         used = np.isfinite(lse[:, row])
@@ -461,7 +462,8 @@ def _decode_batch(shape: Shape) -> Batch:
 
 
 FUSED_CASES = {  # (shape, KV heads a program, splits)
-    "base": (BASE, 1, 1), "base_splits": (BASE, 2, 2), "gqa1_h64": (SHAPES["gqa1_h64"], 2, 1),
+    "base": (BASE, 1, 1), "base_splits": (BASE, 2, 2), "base_8_splits": (BASE, 1, 8),  # 8: empty splits past the table
+    "gqa1_h64": (SHAPES["gqa1_h64"], 2, 1),
     "gqa3": (SHAPES["gqa3"], 4, 2), "gqa16_page128": (SHAPES["gqa16_page128"], 1, 1),
     "sliding_window": (SHAPES["sliding_window"], 1, 2), "window_cap_page64": (SHAPES["window_cap_page64"], 1, 1),
 }
