@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels import flash_attention as _flash_attention
 from pallas_kernels import greedy_head as _greedy_head
 from pallas_kernels import ragged_paged_attention as _rpa
+from pallas_kernels.ragged_paged_attention import gpu_write as _rpa_write
 from pallas_kernels import rms_norm as _rms_norm
 from pallas_kernels import swiglu as _swiglu
 
@@ -61,14 +62,14 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
     donates kv_pages), q [T, K * R, H] returned. See reference.ref_write_qkv.
 
     implementation: the one the model resolved for attention (select_attention_impl), so the write
-    runs where the cache lives: "gpu" -> one Pallas Triton launch (ragged_paged_attention/gpu.py)
+    runs where the cache lives: "gpu" -> one Pallas Triton launch (ragged_paged_attention/gpu_write.py)
     where XLA would run RoPE and the K/V interleave as two fusions before a write; "tpu" and
     "reference" -> the jnp RoPE and one XLA scatter of the step's T rows (ref_write_qkv). "auto"
     picks by the platform of kv_pages and its head dim, as select_attention_impl does."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
     if implementation == "gpu":
-        return _rpa.gpu.write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return _rpa_write.write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
     if implementation in ("tpu", "reference"):
         return _rpa.ref_write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")

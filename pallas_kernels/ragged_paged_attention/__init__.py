@@ -3,8 +3,8 @@
 `ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
 sliding_window=None, soft_cap=None, block_sizes=None, implementation="auto", interpret=False)`
 runs the TPU (Mosaic) or GPU (Triton) kernel; `ref_ragged_paged_attention` is the pure-jnp oracle
-and CPU path. The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu.write_kv_pages`
-(Triton), both placing tokens at `kv_write_slots`; `ref_write_qkv` and `gpu.write_qkv` do the same from the
+and CPU path. The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu_write.write_kv_pages`
+(Triton), both placing tokens at `kv_write_slots`; `ref_write_qkv` and `gpu_write.write_qkv` do the same from the
 merged QKV projection, with RoPE on q and k on the way (one launch on GPU). Contract and KV layout: reference.py. Model
 code calls pallas_kernels.dispatch.
 """

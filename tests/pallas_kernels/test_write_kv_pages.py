@@ -1,6 +1,6 @@
-"""The step's KV write: the Triton kernel (gpu.write_kv_pages) vs ref_write_kv_pages, the slot
+"""The step's KV write: the Triton kernel (gpu_write.write_kv_pages) vs ref_write_kv_pages, the slot
 function both use; the same kernel fed the merged QKV projection with RoPE on the
-way (gpu.write_qkv, the model's write) vs ref_write_qkv, and dispatch.
+way (gpu_write.write_qkv, the model's write) vs ref_write_qkv, and dispatch.
 
 CPU: the kernel in interpret mode must equal the XLA scatter bit for bit on fresh random ragged
 batches (prefill chunks, decodes, chunks crossing pages, padding tokens, junk metadata past
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.ragged_paged_attention import gpu, kv_write_slots, ref_write_kv_pages, ref_write_qkv
+from pallas_kernels.ragged_paged_attention import gpu_write, kv_write_slots, ref_write_kv_pages, ref_write_qkv
 
 ON_GPU = jax.default_backend() == "gpu"
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
@@ -109,7 +109,7 @@ def _slots_fn():
 
 @functools.lru_cache(maxsize=None)
 def _kernel_fn(block_sizes):
-    return jax.jit(functools.partial(gpu.write_kv_pages, block_sizes=block_sizes, interpret=True))
+    return jax.jit(functools.partial(gpu_write.write_kv_pages, block_sizes=block_sizes, interpret=True))
 
 
 def assert_in_place(compiled, pool_bytes: int, *, check_temps: bool = True):
@@ -159,7 +159,7 @@ def test_kernel_matches_scatter(shape, dtype, rows):
     s = SHAPES[shape]
     seed = int(np.random.SeedSequence().entropy % (1 << 32))  # fresh batches; the seed reproduces one
     rng = np.random.default_rng(seed)
-    run = _kernel_fn(None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows))
+    run = _kernel_fn(None if rows is None else gpu_write.WriteBlockSizes(rows_per_block=rows))
     batches = [random_batch(rng, s) for _ in range(4)]
     batches += [random_batch(rng, s, decode_only=True), random_batch(rng, s, num_seqs=s.S, fill=True),
                 random_batch(rng, s, num_seqs=0)]
@@ -180,7 +180,7 @@ def test_padding_lanes_next_to_real_rows(K):
     pi = np.asarray(args[4]).copy()
     pi[0, 0], pi[1, 0] = P - 1, 0  # decode at the pool's last slot, a fresh 2-token prefill at slot 0
     args[4] = jnp.asarray(pi)
-    written = check_write(_kernel_fn(gpu.WriteBlockSizes(rows_per_block=16)), args, "padding lanes")
+    written = check_write(_kernel_fn(gpu_write.WriteBlockSizes(rows_per_block=16)), args, "padding lanes")
     np.testing.assert_array_equal(written[:3], [P * G - 1, 0, 1])
 
 
@@ -197,9 +197,9 @@ def test_slots_outside_the_pool_write_nothing(K):
     pool = rng.standard_normal(((num_slots + guard) * 2 * K, H)).astype(np.float32)
     k, v = (rng.standard_normal((T, K, H)).astype(np.float32) for _ in range(2))
     k[bad] = v[bad] = np.nan
-    out = jax.jit(lambda pool, k, v, slots: gpu._write_groups(
+    out = jax.jit(lambda pool, k, v, slots: gpu_write._write_groups(
         pool, jnp.stack([k, v], axis=2), slots, None, num_slots=num_slots, interpret=True,
-        block_sizes=gpu.WriteBlockSizes(rows_per_block=16))[1])(
+        block_sizes=gpu_write.WriteBlockSizes(rows_per_block=16))[1])(
         jnp.asarray(pool), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
     want = pool.copy().reshape(num_slots + guard, K, 2, H)
     ok = np.setdiff1d(np.arange(T), bad)
@@ -213,7 +213,7 @@ def test_f32_rows_into_bf16_cache():
     rng = np.random.default_rng()
     q_lens, kv_lens = random_batch(rng, s)
     args = make_inputs(s, q_lens, kv_lens, jnp.float32, rng, kv_dtype=jnp.bfloat16)
-    check_write(_kernel_fn(gpu.WriteBlockSizes(rows_per_block=16)), args, f"{q_lens} {kv_lens}")
+    check_write(_kernel_fn(gpu_write.WriteBlockSizes(rows_per_block=16)), args, f"{q_lens} {kv_lens}")
 
 
 def test_donated_pool_updated_in_place():
@@ -225,7 +225,7 @@ def test_donated_pool_updated_in_place():
     args = make_inputs(s, q_lens, kv_lens, jnp.bfloat16, rng)
     before = bits(args[0]).copy()
     want = _ref_fn()(*args)
-    f = jax.jit(functools.partial(gpu.write_kv_pages, interpret=True), donate_argnums=0)
+    f = jax.jit(functools.partial(gpu_write.write_kv_pages, interpret=True), donate_argnums=0)
     assert_in_place(f.lower(*args).compile(), args[0].nbytes, check_temps=False)
     written = np.asarray(kv_write_slots(*args[3:], s.T, page_size=s.G, num_slots=s.P * s.G))
     out = f(*args)
@@ -242,7 +242,7 @@ def test_kernel_lowers_for_cuda():
     aliased to the output (operand 2 of the custom call: slots, interleaved K/V rows, pool)."""
     s = SHAPES["k8_h16_page8"]
     args = make_inputs(s, (3, 1), (9, 17), jnp.bfloat16, np.random.default_rng(1))
-    f = jax.jit(gpu.write_kv_pages, donate_argnums=0)
+    f = jax.jit(gpu_write.write_kv_pages, donate_argnums=0)
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "write_kv_pages_gpu" in text and "triton" in text
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in text
@@ -256,21 +256,21 @@ def test_kernel_lowers_for_cuda():
 ], ids=str)
 def test_write_block_sizes_validate(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        gpu.WriteBlockSizes(**kwargs)
+        gpu_write.WriteBlockSizes(**kwargs)
 
 
 def test_bad_shapes_raise():
     s = SHAPES["k2_h32_page4"]
     args = make_inputs(s, (1,), (3,), jnp.float32, np.random.default_rng(2))
     with pytest.raises(ValueError, match=r"\[T, 2, 32\]"):
-        gpu.write_kv_pages(args[0], args[1][:, :1], args[2][:, :1], *args[3:], interpret=True)
+        gpu_write.write_kv_pages(args[0], args[1][:, :1], args[2][:, :1], *args[3:], interpret=True)
     with pytest.raises(ValueError, match=r"k \(37, 2, 32\) and v \(37, 2, 16\)"):
-        gpu.write_kv_pages(args[0], args[1], args[2][..., :16], *args[3:], interpret=True)
+        gpu_write.write_kv_pages(args[0], args[1], args[2][..., :16], *args[3:], interpret=True)
     with pytest.raises(ValueError, match="head dim 24 must be a power of two"):
-        gpu.write_kv_pages(args[0][..., :24], args[1][..., :24], args[2][..., :24], *args[3:], interpret=True)
+        gpu_write.write_kv_pages(args[0][..., :24], args[1][..., :24], args[2][..., :24], *args[3:], interpret=True)
 
 
-# ---- merged QKV with RoPE (gpu.write_qkv), interpret mode ------------------------------------------
+# ---- merged QKV with RoPE (gpu_write.write_qkv), interpret mode ------------------------------------------
 
 def make_qkv_inputs(s: Shape, q_lens, kv_lens, dtype, rng, *, R: int, kv_dtype=None):
     """Arguments of write_qkv: make_inputs' pool, k, v and metadata, with R random query heads per
@@ -287,7 +287,7 @@ def make_qkv_inputs(s: Shape, q_lens, kv_lens, dtype, rng, *, R: int, kv_dtype=N
 @functools.lru_cache(maxsize=None)
 def _qkv_fns(block_sizes):
     return (jax.jit(ref_write_qkv),
-            jax.jit(functools.partial(gpu.write_qkv, block_sizes=block_sizes, interpret=True)))
+            jax.jit(functools.partial(gpu_write.write_qkv, block_sizes=block_sizes, interpret=True)))
 
 
 def assert_rope_close(got, want, what: str):
@@ -328,7 +328,7 @@ def test_write_qkv_matches_reference(shape, dtype, R, rows):
     s = SHAPES[shape]
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     rng = np.random.default_rng(seed)
-    bs = None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows)
+    bs = None if rows is None else gpu_write.WriteBlockSizes(rows_per_block=rows)
     batches = [random_batch(rng, s) for _ in range(2)]
     batches += [random_batch(rng, s, decode_only=True), random_batch(rng, s, num_seqs=s.S, fill=True),
                 random_batch(rng, s, num_seqs=0)]
@@ -359,14 +359,14 @@ def test_write_qkv_f32_into_bf16_cache():
     rng = np.random.default_rng()
     q_lens, kv_lens = random_batch(rng, s)
     args = make_qkv_inputs(s, q_lens, kv_lens, jnp.float32, rng, R=3, kv_dtype=jnp.bfloat16)
-    check_write_qkv(args, sum(q_lens), gpu.WriteBlockSizes(rows_per_block=16), f"{q_lens} {kv_lens}")
+    check_write_qkv(args, sum(q_lens), gpu_write.WriteBlockSizes(rows_per_block=16), f"{q_lens} {kv_lens}")
 
 
 def test_write_qkv_lowers_for_cuda_in_place():
     """One Triton launch with the pool (operand 4: slots, rows, cos, sin, pool) aliased to output 1."""
     s = SHAPES["k8_h16_page8"]
     args = make_qkv_inputs(s, (3, 1), (9, 17), jnp.bfloat16, np.random.default_rng(1), R=4)
-    text = jax.jit(gpu.write_qkv, donate_argnums=0).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(gpu_write.write_qkv, donate_argnums=0).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("write_kv_pages_gpu") >= 1 and "triton" in text
     assert "output_operand_alias<output_tuple_indices = [1], operand_index = 4" in text
 
@@ -375,11 +375,11 @@ def test_write_qkv_bad_shapes_raise():
     s = SHAPES["k2_h32_page4"]
     args = make_qkv_inputs(s, (1,), (3,), jnp.float32, np.random.default_rng(2), R=2)
     with pytest.raises(ValueError, match=r"must be \[T, K, R \+ 2, H\] = \[T, 2, R \+ 2, 32\]"):
-        gpu.write_qkv(args[0], args[1][:, :1], *args[2:], interpret=True)
+        gpu_write.write_qkv(args[0], args[1][:, :1], *args[2:], interpret=True)
     with pytest.raises(ValueError, match="R >= 1"):
-        gpu.write_qkv(args[0], args[1][:, :, 2:], *args[2:], interpret=True)
+        gpu_write.write_qkv(args[0], args[1][:, :, 2:], *args[2:], interpret=True)
     with pytest.raises(ValueError, match=r"cos \(37, 8\) and sin \(37, 16\)"):
-        gpu.write_qkv(args[0], args[1], args[2][:, :8], *args[3:], interpret=True)
+        gpu_write.write_qkv(args[0], args[1], args[2][:, :8], *args[3:], interpret=True)
 
 
 # ---- dispatch -------------------------------------------------------------------------------------
@@ -428,8 +428,8 @@ def test_kernel_on_device(case, dtype, kv_dtype):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     rng = np.random.default_rng(seed)
     for rows in (None, 16, 128):
-        bs = None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows)
-        f = jax.jit(functools.partial(gpu.write_kv_pages, block_sizes=bs), donate_argnums=0)
+        bs = None if rows is None else gpu_write.WriteBlockSizes(rows_per_block=rows)
+        f = jax.jit(functools.partial(gpu_write.write_kv_pages, block_sizes=bs), donate_argnums=0)
         for _ in range(2):  # fresh batches: a race or a stale row shows as a moving error
             q_lens, kv_lens = random_batch(rng, s, decode_only=kind == "decode", num_seqs=s.S if kind else None)
             args = make_inputs(s, q_lens, kv_lens, dtype, rng, kv_dtype=kv_dtype)
@@ -447,7 +447,7 @@ def test_donated_write_has_no_pool_copy_on_device():
     s, _ = GPU_SHAPES["prefill_8192_k8"]
     rng = np.random.default_rng()
     args = make_inputs(s, *random_batch(rng, s), jnp.bfloat16, rng)
-    compiled = jax.jit(gpu.write_kv_pages, donate_argnums=0).lower(*args).compile()
+    compiled = jax.jit(gpu_write.write_kv_pages, donate_argnums=0).lower(*args).compile()
     assert "triton" in compiled.as_text().lower()
     assert_in_place(compiled, args[0].nbytes)
 
@@ -463,8 +463,8 @@ def test_write_qkv_on_device(case, dtype, kv_dtype):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     rng = np.random.default_rng(seed)
     for rows in (None, 16):
-        bs = None if rows is None else gpu.WriteBlockSizes(rows_per_block=rows)
-        f = jax.jit(functools.partial(gpu.write_qkv, block_sizes=bs), donate_argnums=0)
+        bs = None if rows is None else gpu_write.WriteBlockSizes(rows_per_block=rows)
+        f = jax.jit(functools.partial(gpu_write.write_qkv, block_sizes=bs), donate_argnums=0)
         q_lens, kv_lens = random_batch(rng, s, decode_only=kind == "decode", num_seqs=s.S if kind else None)
         args = make_qkv_inputs(s, q_lens, kv_lens, dtype, rng, R=4, kv_dtype=kv_dtype)
         want_q, want_pool = jax.jit(ref_write_qkv)(*args)

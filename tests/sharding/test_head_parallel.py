@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import AttentionMetadata
 from pallas_kernels.ragged_paged_attention import (
-    BlockSizes, gpu, ref_ragged_paged_attention, ref_write_qkv, tpu)
+    BlockSizes, gpu, gpu_write, ref_ragged_paged_attention, ref_write_qkv, tpu)
 from sharding.mesh import MeshConfig
 from sharding.rules import head_parallel_mesh, kv_cache_sharding, shard_over_heads
 from models.config import get_preset
@@ -41,7 +41,7 @@ def _gpu_attend(q, kv, *meta):
 
 
 def _gpu_write(kv, qkv, cos, sin, *meta):
-    return gpu.write_qkv(kv, qkv, cos, sin, *meta, interpret=True)
+    return gpu_write.write_qkv(kv, qkv, cos, sin, *meta, interpret=True)
 
 
 def _tpu_attend(q, kv, *meta):
