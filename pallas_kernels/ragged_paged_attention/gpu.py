@@ -165,7 +165,6 @@ def _kernel(
     unmasked_full_blocks: bool,
     decode_write: bool,
     qkv_parts: int,
-    peel_first_block: bool,
     early_launch: bool,
 ):
     # o_ref: [T * N, H] q.dtype (kv_splits == 1), else f32[kv_splits, T * N, H]; lse_refs: () or
@@ -280,7 +279,9 @@ def _kernel(
             return attend(carry, load_block(b, masked=masked), masked=masked)
 
         init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, H), f32))
-        first = None  # the split's first key block, loaded ahead (peel_first_block)
+        # Splits (small decode batches, latency-bound): the first key block's loads go with the
+        # projection's. Without splits (large batches, bandwidth-bound) the loop's pipeline has them.
+        peel_first_block = decode_write and kv_splits > 1
         if decode_write:
             # The row's query head, its KV head's k and v in the merged projection's rows; RoPE on q
             # and k as write_qkv applies it (rounded to the projection's dtype), k and v of the
@@ -349,7 +350,7 @@ def _kernel(
         # Decode-shaped buckets keep one loop: a second pipelined loop made 64 x 4k (H = 128) 22%
         # slower on an H200 and 256 x 512 (H = 64) no faster (docs/kernels/ragged_paged_attention.md).
         full, carry = b0, init
-        if first is not None:
+        if peel_first_block:
             full, carry = b0 + 1, attend(init, first, masked=True)
         elif unmasked_full_blocks:
             full = jnp.clip(lax.div(ctx + q0 - q_start + 1, kv_block), b0, b1)
@@ -436,9 +437,6 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_heads=N, num_kv_heads=K, kv_heads=kh, page_size=G, pages_per_seq=P_max, q_tokens=bq, rows=rows,
         kv_block=bkv, kv_splits=splits, decode_write=rope is not None, qkv_parts=q.shape[0] if q.ndim == 5 else 1,
-        # Splits (small decode batches, latency-bound): the first key block's loads go with the
-        # projection's. Without splits (large batches, bandwidth-bound) the loop's pipeline has them.
-        peel_first_block=rope is not None and splits > 1,
         unmasked_full_blocks=prefill_shaped(T, S) and sliding_window is None and rope is None,
         early_launch=early_launch_enabled(interpret))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
