@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -49,24 +50,31 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _median_call_s(f, *args) -> float:
-    """Seconds per call of jitted f: the median of 7 runs of 10 back-to-back calls, after one warm-up."""
+def _median_call_s(f, *args, min_run_s: float = 0.05) -> float:
+    """Seconds per call of jitted f: the median of 7 runs of back-to-back calls, each run at least
+    `min_run_s` long (and of at least 10 calls), after one warm-up call and one timed call that sizes
+    the runs. Each run also pays one launch and one wait that no call overlaps; on an H200 runs of 10
+    1 GiB copies (~5 ms) read 4.01 TB/s where runs of 50 read 4.20, so short runs under-measure the
+    ceilings MBU and the floors divide by (docs/benchmarks.md, fortieth session)."""
     import jax
 
     jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    calls = max(10, math.ceil(min_run_s / max(time.perf_counter() - t0, 1e-6)))
     times = []
     for _ in range(7):
         t0 = time.perf_counter()
-        for _ in range(10):
+        for _ in range(calls):
             y = f(*args)
         jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 10)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
 def copy_bandwidth(n: int = 1 << 28) -> dict:
     """Bytes read + written per second by a large jitted elementwise op (x * 2 over n f32): the
-    memory ceiling MBU is quoted against. Median of 7 runs of 10 back-to-back calls."""
+    memory ceiling MBU is quoted against (_median_call_s: median of 7 runs of >= 50 ms)."""
     import jax
     import jax.numpy as jnp
 
@@ -77,7 +85,7 @@ def copy_bandwidth(n: int = 1 << 28) -> dict:
 
 
 def matmul_flops(m: int = 8192) -> dict:
-    """bf16 m^3 matmul rate through XLA (FLOP/s): the compute ceiling. Median of 7 runs of 10 calls."""
+    """bf16 m^3 matmul rate through XLA (FLOP/s): the compute ceiling (_median_call_s)."""
     import jax
     import jax.numpy as jnp
 
