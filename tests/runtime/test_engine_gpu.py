@@ -1,5 +1,6 @@
 """The engine on an NVIDIA GPU: EngineConfig.gpu_cublas_min_tokens, the decode-only model programs,
-the greedy head bursts, the unrolled batch-1 bursts. Run on a GPU host with JAX_PLATFORMS=cuda,cpu (the device tool)."""
+the greedy head bursts, the unrolled batch-1 bursts, meshes of two GPUs. Run on a GPU host with
+JAX_PLATFORMS=cuda,cpu (the device tool)."""
 
 import jax
 import numpy as np
@@ -206,3 +207,30 @@ def test_small_decode_steps_sum_partial_products_with_the_same_tokens(monkeypatc
             llm.engine.close()
             monkeypatch.undo()
     assert outs[dispatch.GEMV_PARTIALS_MAX_ROWS] == outs[0]
+
+
+@pytest.mark.skipif(len(_gpus()) < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("replica,tensor", [(1, 2), (2, 1)])
+def test_two_gpu_meshes_give_one_gpus_tokens(replica, tensor):
+    """The engine on a mesh of two GPUs, with tensor=2 (KV pages split over KV heads, the Triton KV
+    write and attention run per shard) or replica=2, gives one GPU's greedy tokens in float32, bursts
+    included, with no compile after warmup. The same check on fake CPU devices: test_engine.py."""
+    from tests.testing.engine import scaled_dummy
+
+    prompts = [np.random.default_rng(5).integers(0, 256, n).tolist() for n in (3, 17, 40, 9, 64, 25, 1, 33, 50, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for mesh_cfg, devices in ((MeshConfig(), _gpus()[:1]), (MeshConfig(replica=replica, tensor=tensor), _gpus()[:2])):
+        model = scaled_dummy(mesh=mesh_cfg.make_mesh(devices), seed=11)  # head dim 16: the GPU kernels
+        assert model.attn_impl == "gpu"
+        llm = LLM(model, **CFG)
+        try:
+            assert {d.id for d in llm.engine.kv_pages[0].devices()} == {d.id for d in devices}
+            if tensor > 1 and len(devices) == 2:
+                assert llm.engine.kv_pages[0].sharding.spec[2] == "tensor"
+            outs[len(devices)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.executor.num_compiles_after_warmup == 0
+        finally:
+            llm.engine.close()
+    assert all(len(t) == 16 for t in outs[1])
+    assert outs[2] == outs[1]

@@ -15,10 +15,11 @@ BASE = dict(
 )
 
 
-def scaled_dummy(scale: float = 25.0):
+def scaled_dummy(scale: float = 25.0, *, mesh=None, seed: int | None = None):
     """A tiny random untied model that needs no checkpoint. Weights at init_dummy's 0.02 std give
     near-uniform logits (every step a near-tie); scaled up they give diverse tokens with top-2 gaps
-    around 1 (none under 1e-3 in 120 sampled steps)."""
+    around 1 (none under 1e-3 in 120 sampled steps). `mesh` defaults to one device, `seed` to a
+    random one; a seed gives the same weights on every mesh."""
     import dataclasses
 
     from flax import nnx
@@ -27,7 +28,8 @@ def scaled_dummy(scale: float = 25.0):
     from runtime.checkpoint import init_dummy
 
     cfg = ModelConfig("tiny", 256, 64, 128, 2, 4, 2, 16, max_position_embeddings=256)
-    m = init_dummy(cfg, mesh=MeshConfig().make_mesh(), dtype="float32", seed=int(np.random.default_rng().integers(1 << 30)))
+    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    m = init_dummy(cfg, mesh=MeshConfig().make_mesh() if mesh is None else mesh, dtype="float32", seed=seed)
     flat = nnx.to_flat_state(m.params)
     params = nnx.from_flat_state(
         {tuple(p): v.replace(v[...] if p[-1] == "scale" else v[...] * scale) for p, v in flat}
