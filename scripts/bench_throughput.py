@@ -31,6 +31,10 @@ no tokenizer). Full garbage collections inside each timed run are reported with 
 lists the device kernels that took the most time in it, with their counts, and the device's busy
 time against the run's span (`result["xla"]["profile"]`; a CPU trace has no device kernels).
 
+`--replica R --tensor T` run xlaserve on a mesh of R x T devices (EngineConfig.mesh: the weights and the
+KV pages split over KV heads on the tensor axis, the batch over replicas); its floor is then the mesh's, each
+ceiling (measured on the first device) times R x T. HF runs on one GPU whatever the mesh.
+
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
 prompts (SDPA attention; whatever generate itself does for a static cache, which in transformers 5
@@ -89,6 +93,7 @@ def run_xla(args) -> dict:
     from models.config import get_preset
     from runtime.llm import LLM
     from runtime.request import SamplingParams
+    from sharding.mesh import MeshConfig
 
     mc = get_preset(args.model)
     G = args.page_size
@@ -97,7 +102,8 @@ def run_xla(args) -> dict:
     cfg = dict(dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                page_size=G, max_model_len=max_model_len, progress=False,
                token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
-               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
+               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
+               mesh=MeshConfig(replica=args.replica, tensor=args.tensor))
     if args.num_pages:
         cfg["num_pages"] = args.num_pages
     if args.decode_steps is not None:
@@ -131,9 +137,14 @@ def run_xla(args) -> dict:
         eng.check_invariants()
     st2 = eng.stats()
     profile = profile_run(llm, args, mc.vocab_size, params) if args.profile else None
-    dev = jax.devices()[0]
+    mesh = dict(eng.model.mesh.shape)  # the devices the engine ran on
+    num_devices = eng.model.mesh.devices.size
+    dev = eng.model.mesh.devices.flat[0]
+    kind = getattr(dev, "device_kind", str(dev))
     res = {
-        "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+        "device": kind if num_devices == 1 else f"{num_devices} x {kind}", "jax": jax.__version__,
+        "mesh": {"replica": mesh["replica"], "tensor": mesh["tensor"]},
+        "kv_pages_sharding": str(eng.kv_pages[0].sharding.spec),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
         "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": eng.config.num_pages,
         "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
@@ -152,8 +163,9 @@ def run_xla(args) -> dict:
         res["profile"] = profile
     del llm, eng  # the KV pool: room for the ceiling measurements
     gc.collect()
-    res.update(physical_floor(mc, args, copy_bandwidth(args.copy_elems)["copy_bytes_per_s"],
-                              matmul_flops(args.matmul_size)["matmul_flops_per_s"]))
+    copy_s, matmul_s = copy_bandwidth(args.copy_elems)["copy_bytes_per_s"], matmul_flops(args.matmul_size)["matmul_flops_per_s"]
+    res.update(physical_floor(mc, args, copy_s * num_devices, matmul_s * num_devices),
+               device_copy_bytes_per_s=copy_s, device_matmul_flops_per_s=matmul_s)
     return res
 
 
@@ -208,7 +220,7 @@ def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float)
     each decode step moves the weights it reads and every K/V row of the batch's contexts at copy
     bandwidth, or computes 2 FLOPs per weight per sequence, whichever takes longer. Sequences
     decode max_num_seqs at a time (waves), K/V in bf16; the embedding table is not read at decode
-    (B rows gathered) unless tied (the LM head)."""
+    (B rows gathered) unless tied (the LM head). On a mesh the ceilings are the mesh's, the devices' summed."""
     D, V, L = mc.hidden_size, mc.vocab_size, mc.num_layers
     head = V * D
     body = mc.num_params - head * (1 if mc.tie_word_embeddings else 2)  # the layers' weights
@@ -312,6 +324,8 @@ def main() -> None:
     ap.add_argument("--token-buckets", nargs="*", type=int, default=[256, 4096, 8192])
     ap.add_argument("--seq-buckets", nargs="*", type=int, default=[64, 128, 256])
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--replica", type=int, default=1, help="xlaserve's mesh: replicas (EngineConfig.mesh)")
+    ap.add_argument("--tensor", type=int, default=1, help="xlaserve's mesh: tensor-parallel devices")
     ap.add_argument("--max-model-len", type=lambda v: v if v == "model" else int(v), default=None, metavar="N|model",
                     help="EngineConfig.max_model_len (default: input + output, rounded up to a page; 'model': the "
                          "model's maximum, the engine's own default)")
@@ -337,6 +351,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.replica < 1 or args.tensor < 1:
+        ap.error(f"--replica and --tensor must be >= 1, got {args.replica} and {args.tensor}")
     if args.profile_top < 1:
         ap.error(f"--profile-top must be >= 1, got {args.profile_top}")
     if (args.presence_penalty or args.frequency_penalty) and "hf" not in args.skip:
@@ -388,8 +404,9 @@ def main() -> None:
         return f"{d['output_tok_s']:,.0f} [{lo:,.0f}-{hi:,.0f}]"
 
     if "output_tok_s" in x:
+        mesh = "" if x["mesh"] == {"replica": 1, "tensor": 1} else "replica {replica} x tensor {tensor}, ".format(**x["mesh"])
         print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
-              f"{x['wall_s']:.2f} | {x['steps']:.0f} steps a run ({x['bursts']:.0f} bursts of {x['decode_steps']}), "
+              f"{x['wall_s']:.2f} | {mesh}{x['steps']:.0f} steps a run ({x['bursts']:.0f} bursts of {x['decode_steps']}), "
               f"{x['preemptions']} preemptions, warmup "
               f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s, "
               f"full GCs in the timed runs (ms): {x['full_gc_ms_runs']} |")
@@ -402,7 +419,8 @@ def main() -> None:
     elif "hf" in result:
         print(f"| HF | failed: {h.get('error')} |")
     if "floor_output_tok_s" in x:
-        print(f"| physical floor (this device's copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        mesh = "this device's" if x["mesh"] == {"replica": 1, "tensor": 1} else "the mesh's, the devices' summed"
+        print(f"| physical floor ({mesh} copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
               f"{x['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) | {x['device']} | {x['floor_output_tok_s']:,.0f} | - | "
               f"{x['floor_s']:.2f} | prefill {x['floor_prefill_s']:.2f} s + decode {x['floor_decode_s']:.2f} s |")
     if "ratio_output_tok_s" in result:

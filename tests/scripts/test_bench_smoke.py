@@ -67,6 +67,22 @@ def test_bench_throughput_smoke(tmp_path):
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
 
 
+def test_bench_throughput_mesh_smoke(tmp_path):
+    """--replica / --tensor put xlaserve on a mesh of fake CPU devices; the floor is the mesh's."""
+    common = ["--model", "stories260k", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+              "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8", "64", "--seq-buckets",
+              "4", "--repeats", "1", "--skip", "hf", "--copy-elems", str(1 << 20), "--matmul-size", "256",
+              "--max-model-len", "64"]
+    x = _run("bench_throughput.py", *common, "--replica", "2", "--tensor", "2", out=tmp_path / "mesh.json")["xla"]
+    assert x["mesh"] == {"replica": 2, "tensor": 2} and x["device"].startswith("4 x ")
+    assert "tensor" in x["kv_pages_sharding"]  # KV heads split over the tensor axis
+    assert x["output_tokens"] == 4 * 8 and x["wrong_length"] == [] and x["compiles_after_warmup"] == 0
+    # the floor takes the four devices' ceilings together
+    assert x["copy_bytes_per_s"] == 4 * x["device_copy_bytes_per_s"] > 0
+    assert x["matmul_flops_per_s"] == 4 * x["device_matmul_flops_per_s"] > 0
+    assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
+
+
 def test_bench_host_smoke(tmp_path):
     res = _run("bench_host.py", "--model", "stories260k", "--num-seqs", "8", "--input-len", "16", "--output-len",
                "12", "--repeats", "2", "--decode-steps", "4", out=tmp_path / "host.json")
