@@ -163,7 +163,8 @@ def run_xla(args) -> dict:
         res["profile"] = profile
     del llm, eng  # the KV pool: room for the ceiling measurements
     gc.collect()
-    copy_s, matmul_s = copy_bandwidth(args.copy_elems)["copy_bytes_per_s"], matmul_flops(args.matmul_size)["matmul_flops_per_s"]
+    copy_s = copy_bandwidth(args.copy_elems)["copy_bytes_per_s"]
+    matmul_s = matmul_flops(args.matmul_size)["matmul_flops_per_s"]
     res.update(physical_floor(mc, args, copy_s * num_devices, matmul_s * num_devices),
                device_copy_bytes_per_s=copy_s, device_matmul_flops_per_s=matmul_s)
     return res
@@ -404,9 +405,11 @@ def main() -> None:
         return f"{d['output_tok_s']:,.0f} [{lo:,.0f}-{hi:,.0f}]"
 
     if "output_tok_s" in x:
-        mesh = "" if x["mesh"] == {"replica": 1, "tensor": 1} else "replica {replica} x tensor {tensor}, ".format(**x["mesh"])
+        mesh = ("" if x["mesh"] == {"replica": 1, "tensor": 1}
+                else "replica {replica} x tensor {tensor}, ".format(**x["mesh"]))
         print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
-              f"{x['wall_s']:.2f} | {mesh}{x['steps']:.0f} steps a run ({x['bursts']:.0f} bursts of {x['decode_steps']}), "
+              f"{x['wall_s']:.2f} | {mesh}{x['steps']:.0f} steps a run "
+              f"({x['bursts']:.0f} bursts of {x['decode_steps']}), "
               f"{x['preemptions']} preemptions, warmup "
               f"{x['num_warmup_compiles']} programs {x['warmup_compile_s']:.0f}s, "
               f"full GCs in the timed runs (ms): {x['full_gc_ms_runs']} |")

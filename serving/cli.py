@@ -105,7 +105,7 @@ _SERVE_FLAGS = [
     ("--num-pages", "engine", "num_pages", dict(type=int)),
     ("--max-logprobs", "engine", "max_logprobs", dict(type=int)),
     ("--decode-steps", "engine", "decode_steps",
-     dict(type=int, help="decode steps per device program when nothing waits (bursts); 1: off")),
+     dict(type=int, help="decode steps per device program when nothing waits (bursts; default 4); 1: off")),
     ("--kv-memory-fraction", "engine", "kv_memory_fraction", dict(type=float)),
     ("--seed", "engine", "seed", dict(type=int)),
     ("--no-prefix-caching", "engine", "enable_prefix_caching", dict(action="store_const", const=False)),

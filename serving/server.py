@@ -41,7 +41,11 @@ class _Uvicorn(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on transports whose socket
+    # says so, and accepted sockets take the listener's proto. With Nagle on, every response's second
+    # small write (a stream's first SSE event, a reply's body after its headers) waited for the
+    # client's delayed ACK: ~40 ms on each request of a kept-alive connection (docs/serving.md).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections queue in the kernel from now on, before uvicorn accepts them

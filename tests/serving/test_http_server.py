@@ -258,6 +258,31 @@ def test_health_and_metrics(server, client):
     assert values[f"xlaserve:compiles_after_warmup_total{{{label}}}"] == 0
 
 
+def test_connections_send_without_waiting_for_acks(server):
+    """Nagle is off on the HTTP connections: a kept-alive connection's requests do not wait ~40 ms
+    for the client's delayed ACK before a response's second write (the body after the headers,
+    a stream's first event), which they all did while the listening socket's proto was 0."""
+    import socket
+    import statistics
+    import time
+
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    with httpx.Client(timeout=60) as c:
+        walls = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            assert c.post(server.base_url + "/completions", json=body).status_code == 200
+            walls.append(time.perf_counter() - t0)
+
+        async def nodelay():
+            return [p.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                    for p in server.app._http.server_state.connections]
+
+        flags = server.call(nodelay())
+    assert flags and all(flags), flags
+    assert statistics.median(walls[1:]) < 0.030, walls  # with Nagle on: >= 40 ms each
+
+
 def finished_count(core, reason: str) -> float:
     v = core.metrics.registry.get_sample_value("xlaserve:request_success_total",
                                                {"model_name": MODEL_NAME, "finished_reason": reason})

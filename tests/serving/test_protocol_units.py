@@ -214,6 +214,19 @@ def test_every_serve_flag_maps_to_a_config_key(tmp_path):
     assert s.engine["mesh"] == {"replica": 1, "tensor": 1} and s.engine["enable_prefix_caching"] is False
 
 
+def test_serve_decodes_in_bursts_unless_told_otherwise(tmp_path):
+    from serving import cli
+    from serving.config import SERVE_DECODE_STEPS, ServeSettings
+
+    assert SERVE_DECODE_STEPS == 4 and ServeSettings().engine_config().decode_steps == 4
+    assert ServeSettings(engine={"decode_steps": 1}).engine_config().decode_steps == 1
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine:\n  decode_steps: 8\n")
+    for argv, k in ((["serve"], 4), (["serve", "--config", str(cfg)], 8),
+                    (["serve", "--config", str(cfg), "--decode-steps", "2"], 2)):
+        assert cli._serve_settings(cli.build_parser().parse_args(argv)).engine_config().decode_steps == k, argv
+
+
 def test_sampling_params_pass_through_unchanged():
     r = completion(temperature=0, max_tokens=3)
     assert r.params == SamplingParams(temperature=0.0, max_tokens=3)
