@@ -68,7 +68,7 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
 
         def stream(i: int) -> None:
             body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200 + i, "ignore_eos": True,
-                    "stream": True}
+                    "stream": True, "stream_options": {"include_usage": True}}
             events, passed = [], False
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
                 assert r.status_code == 200
@@ -104,9 +104,10 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
     assert elapsed < DRAIN_TIMEOUT + 10
     for i, events in results.items():
         assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+        *chunks, usage = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", f"stream {i} did not complete"
-        assert len(chunks) == 200 + i  # one chunk per token: the whole completion arrived
+        # the whole completion arrived (a chunk carries up to decode_steps tokens: serve's bursts)
+        assert usage["usage"]["completion_tokens"] == 200 + i and not usage["choices"]
     text = "".join(log)
     assert "draining" in text and "stopped (0 requests aborted" in text
     assert re.search(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s", text)
