@@ -33,6 +33,7 @@ watches, which catches compiles from anything else (an eager jnp op on the servi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -186,7 +187,7 @@ class StepExecutor:
         self.decode_steps = decode_steps
         self.greedy_head_seqs = frozenset(greedy_head_seqs)
         self.decode_programs = decode_programs
-        on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
+        self.on_gpu = on_gpu = next(iter(mesh.devices.flat)).platform == "gpu"
         self._cublas_min_tokens = gpu_cublas_min_tokens if on_gpu else None
         # bursts of seq buckets up to this many sequences run unrolled (None: 1 on a GPU, 0 elsewhere)
         self.unroll_burst_max_seqs = (1 if on_gpu else 0) if unroll_burst_max_seqs is None else unroll_burst_max_seqs
@@ -293,31 +294,64 @@ class StepExecutor:
             return self._set_pages.lower(self._abstract(self.page_table),
                                          self._abstract(np.zeros((3, key[1]), np.int32)))
         if key[0] in ("model", DECODE_MODEL, "burst"):
-            T, S = key[1:3]
-            b = self._empty_batch(T, S)
-            table = self._abstract(self.page_table)
-            args = (self._abstract_params, self._abstract_kv, self._abstract(b.flat), self._abstract(b.rows),
-                    self._abstract(self._no_prev))
-            static = (b.layout, self._param_treedef)
-            if key[0] == "burst":
-                sampler, penalties, logprobs = key[3:]
-                counts = self._abstract_counts(S) if penalties else None
-                return self._burst.lower(*args, counts, table, *static, self.decode_steps, sampler, penalties,
-                                         self.max_logprobs if logprobs else None, S <= self.unroll_burst_max_seqs)
-            return self._model.lower(*args, table, *static, key[0] == DECODE_MODEL)
+            args, static = self._padding_inputs(key)
+            abstract = (self._abstract_params, self._abstract_kv,
+                        *(jax.tree.map(self._abstract, a) for a in args[2:]))
+            program = self._burst if key[0] == "burst" else self._model
+            return program.lower(*abstract, *static)
         name, S = key
-        b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
-        shapes = dict(logits=jax.ShapeDtypeStruct((S, self._vocab_size), np.float32), rows=b.rows,
-                      history=b.history, start=np.int32(0), counts=self._abstract_counts(S), tokens=self._no_prev,
-                      prev=self._no_prev, prev_burst=self._no_prev_burst)
         fn, args = self._samplers[name]
-        return fn.lower(*(jax.tree.map(self._abstract, shapes[a]) for a in args))
+        values = self._sampler_padding_inputs(S)
+        return fn.lower(*(jax.tree.map(self._abstract, values[a]) for a in args))
 
-    def _abstract_counts(self, S: int) -> PenaltyCounts:
-        V = self._vocab_size
-        return PenaltyCounts(jax.ShapeDtypeStruct((S, V), np.float32), jax.ShapeDtypeStruct((S, V), np.bool_))
+    def _padding_inputs(self, key: tuple) -> tuple[tuple, tuple]:
+        """A model or burst program's arguments for an all-padding batch of its bucket, as (dynamic, static):
+        the dynamic ones are the parameters and the pool as the executor holds them, the rest host arrays."""
+        T, S = key[1:3]
+        b = self._empty_batch(T, S)
+        args = (self._param_leaves, None, b.flat, b.rows, self._no_prev)
+        static = (b.layout, self._param_treedef)
+        if key[0] == "burst":
+            sampler, penalties, logprobs = key[3:]
+            return ((*args, self._zero_counts(S) if penalties else None, self.page_table),
+                    (*static, self.decode_steps, sampler, penalties, self.max_logprobs if logprobs else None,
+                     S <= self.unroll_burst_max_seqs))
+        return (*args, self.page_table), (*static, key[0] == DECODE_MODEL)
 
-    def warmup(self, *, progress: bool = True) -> None:
+    def _sampler_padding_inputs(self, S: int) -> dict:
+        """Every argument a sampler program of seq bucket S may take, for an all-padding batch."""
+        b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
+        return dict(logits=np.broadcast_to(np.float32(0), (S, self._vocab_size)), rows=b.rows, history=b.history,
+                    start=np.int32(0), counts=self._zero_counts(S), tokens=self._no_prev, prev=self._no_prev,
+                    prev_burst=self._no_prev_burst)
+
+    def _zero_counts(self, S: int) -> PenaltyCounts:
+        shape = (S, self._vocab_size)
+        return PenaltyCounts(np.broadcast_to(np.float32(0), shape), np.broadcast_to(np.False_, shape))
+
+    def _first_runs(self, kv_pages, progress: bool):
+        """Run every model, burst and sampler program once on an all-padding batch (see warmup); returns
+        the pool, donated through the model and burst programs."""
+        keys = [k for k in self.program_keys() if k[0] != "pages"]  # (which would write the page table)
+        put = functools.partial(jax.device_put, device=self._batch_sharding)
+        for key in tqdm(keys, desc="first runs of the step programs", unit="program", disable=not progress):
+            exe = self._executables[key]
+            if key[0] in ("model", DECODE_MODEL, "burst"):
+                args, _ = self._padding_inputs(key)
+                outs = exe(args[0], kv_pages, *(jax.tree.map(put, a) for a in args[2:]))
+                kv_pages = outs[2]
+            else:
+                values = self._sampler_padding_inputs(key[1])
+                outs = exe(*(jax.tree.map(put, values[a]) for a in self._samplers[key[0]][1]))
+            jax.block_until_ready(outs)
+        return kv_pages
+
+    def warmup(self, *, progress: bool = True, kv_pages=None):
+        """Compile every program of the table (program_keys) that is not compiled yet. With `kv_pages` (the
+        pool, donated) then run each model, burst and sampler program once on an all-padding batch, which
+        computes nothing into the pool (runtime/step.py), and return the pool: a program's first run pays
+        one-time costs (on a GPU, loading its kernels and building its command buffer) that would otherwise
+        land on the first request that needs the program. Without, returns None."""
         keys = [k for k in self.program_keys() if k not in self._executables]
         t0 = time.perf_counter()
         bar = tqdm(total=len(keys), desc="compiling step programs", unit="program", disable=not progress)
@@ -334,8 +368,11 @@ class StepExecutor:
                 bar.update(1)
         bar.close()
         self.num_warmup_compiles += len(keys)
+        if kv_pages is not None:
+            kv_pages = self._first_runs(kv_pages, progress)
         self.warmup_seconds += time.perf_counter() - t0
         self.warmed_up = True
+        return kv_pages
 
     def _executable(self, key: tuple):
         exe = self._executables.get(key)

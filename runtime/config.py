@@ -97,6 +97,11 @@ class EngineConfig:
     seed: int = 0  # seeds of requests that bring none are drawn from this
     strict_compile: bool = False  # a compile after warmup raises (tests) instead of logging an alert
     warmup: bool = True  # compile every bucket at start-up
+    # With warmup: also run each compiled model, burst and sampler program once on an all-padding batch
+    # (it computes nothing into the KV pool), so that a program's one-time first-run costs (on a GPU: its
+    # kernels loaded, its command buffer built, tens of ms) are not paid by the first request that needs
+    # it. None: on GPUs only.
+    warmup_runs: bool | None = None
     progress: bool = True  # tqdm progress bars (warmup, LLM.generate)
 
     def __post_init__(self) -> None:
@@ -109,6 +114,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+        if self.warmup_runs is not None and not isinstance(self.warmup_runs, bool):
+            raise ValueError(f"warmup_runs must be None, True or False, got {self.warmup_runs!r}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if not 0.0 <= self.watermark < 1.0:

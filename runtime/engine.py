@@ -262,8 +262,12 @@ class Engine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile the step programs of every bucket (progress bar); compiles after this are counted."""
-        self.executor.warmup(progress=self.config.progress)
+        """Compile the step programs of every bucket (progress bar), and run each once where
+        EngineConfig.warmup_runs says so; compiles after this are counted."""
+        runs = self.config.warmup_runs if self.config.warmup_runs is not None else self.executor.on_gpu
+        kv_pages = self.executor.warmup(progress=self.config.progress, kv_pages=self.kv_pages if runs else None)
+        if runs:
+            self.kv_pages = kv_pages
         self._compiles_seen = self._watcher.count
 
     def close(self) -> None:

@@ -286,3 +286,46 @@ def test_model_step_fn_runs_the_executors_model_program():
             ex.model_step_fn(replace(b, steps=2))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch, runs):
+    """EngineConfig.warmup_runs: warmup runs every compiled model, burst and sampler program once on an
+    all-padding batch (the page-table update programs excepted), which writes nothing into the KV pool,
+    and the engine's tokens are those of an engine that skipped the runs, with no compile after warmup."""
+    from runtime.compilation import StepExecutor
+
+    calls = {}
+    compile_ = StepExecutor._compile
+
+    def counting_compile(self, key, lowered):
+        exe = compile_(self, key, lowered)
+
+        def run(*args):
+            calls[key] = calls.get(key, 0) + 1
+            return exe(*args)
+        return run
+
+    monkeypatch.setattr(StepExecutor, "_compile", counting_compile)
+    model = scaled_dummy()
+    cfg = {**BASE, "seq_buckets": (1, 8), "decode_steps": 4}
+    eng = Engine(model, EngineConfig(**cfg, warmup_runs=runs))
+    keys = eng.executor.program_keys()
+    assert {k[0] for k in keys} >= {"model", "burst", "count", "penalize", "pick", "logprobs", "pages"}
+    if runs:
+        assert calls == {k: 1 for k in keys if k[0] != "pages"}
+    else:
+        assert calls == {}
+    assert all(not np.asarray(x).any() for x in jax.tree.leaves(eng.kv_pages))  # the pool is still all zeros
+    plain = eng if not runs else Engine(model, EngineConfig(**cfg, warmup_runs=False))
+    try:
+        workload = greedy_requests("w", 10)
+        got = run_workload(eng, workload, seed=3)
+        want = run_workload(plain, workload, seed=3) if plain is not eng else got
+        ids = [{r: o.outputs[0].token_ids for r, o in res.items()} for res in (got, want)]
+        assert ids[0] == ids[1]
+        check_idle(eng)
+    finally:
+        eng.close()
+        if plain is not eng:
+            plain.close()

@@ -76,6 +76,10 @@ def test_engine_config_defaults_and_validation():
     for bad in (-1, True, 1.0):
         with pytest.raises(ValueError, match=f"unroll_burst_max_seqs must be None or an int >= 0, got {bad!r}"):
             EngineConfig(unroll_burst_max_seqs=bad)
+    assert EngineConfig().warmup_runs is None and EngineConfig(warmup_runs=True).warmup_runs is True
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match=f"warmup_runs must be None, True or False, got {bad!r}"):
+            EngineConfig(warmup_runs=bad)
 
 
 def test_packer_marks_the_in_flight_token_in_penalty_histories():
