@@ -306,7 +306,8 @@ class StepExecutor:
 
     def _padding_inputs(self, key: tuple) -> tuple[tuple, tuple]:
         """A model or burst program's arguments for an all-padding batch of its bucket, as (dynamic, static):
-        the dynamic ones are the parameters and the pool as the executor holds them, the rest host arrays."""
+        the dynamic ones are the parameters' leaves, None where the pool goes, then the batch's host arrays
+        and the executor's device arrays (prev, the page table)."""
         T, S = key[1:3]
         b = self._empty_batch(T, S)
         args = (self._param_leaves, None, b.flat, b.rows, self._no_prev)

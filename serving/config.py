@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 # EngineConfig.decode_steps of `xlaserve serve` unless set (the engine's own default is 1): when no request
-# waits, one device program samples 4 tokens of every running sequence. On an H200 with llama3_2_1b this
-# took the time per output token from 1.40 to 0.83 ms at one request in flight and from 2.99 to 0.99 ms at
-# 32 requests/s; a request that arrives during a burst waits for it (a few ms). 8 bought no more
-# (docs/serving.md, "Decode bursts in the server").
+# waits, one device program samples 4 tokens of every running sequence. On H200s with llama3_2_1b this took
+# the time per output token from 1.40-1.41 to 0.83-1.08 ms at one request in flight and from 2.99-3.38 to
+# 0.99-1.12 ms at 32 requests/s; a request that arrives during a burst waits for it (a few ms). 8 bought
+# little more (docs/serving.md, "Decode bursts and latency").
 SERVE_DECODE_STEPS = 4
 
 
