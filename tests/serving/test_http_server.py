@@ -244,6 +244,8 @@ def test_chat_errors(client):
 def test_health_and_metrics(server, client):
     assert httpx.get(server.http_url + "/health").json() == {"status": "ok"}
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError):  # over max_model_len: counted as an invalid request
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=100_000, temperature=0)
     text = httpx.get(server.http_url + "/metrics").text
     label = f'model_name="{MODEL_NAME}"'
     for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
