@@ -331,13 +331,15 @@ class StepExecutor:
         return PenaltyCounts(np.broadcast_to(np.float32(0), shape), np.broadcast_to(np.False_, shape))
 
     def _first_runs(self, kv_pages, progress: bool):
-        """Run every model, burst and sampler program once on an all-padding batch (see warmup); returns
-        the pool, donated through the model and burst programs."""
-        keys = [k for k in self.program_keys() if k[0] != "pages"]  # (which would write the page table)
+        """Run every program once on an all-padding batch, the page-table updates on updates that all
+        drop (see warmup); returns the pool, donated through the model and burst programs."""
+        keys = self.program_keys()
         put = functools.partial(jax.device_put, device=self._batch_sharding)
         for key in tqdm(keys, desc="first runs of the step programs", unit="program", disable=not progress):
             exe = self._executables[key]
-            if key[0] in ("model", DECODE_MODEL, "burst"):
+            if key[0] == "pages":  # row `slots` is out of range: nothing is written
+                outs = self.page_table = exe(self.page_table, put(np.full((3, key[1]), self.slots, np.int32)))
+            elif key[0] in ("model", DECODE_MODEL, "burst"):
                 args, _ = self._padding_inputs(key)
                 outs = exe(args[0], kv_pages, *(jax.tree.map(put, a) for a in args[2:]))
                 kv_pages = outs[2]
@@ -349,8 +351,8 @@ class StepExecutor:
 
     def warmup(self, *, progress: bool = True, kv_pages=None):
         """Compile every program of the table (program_keys) that is not compiled yet. With `kv_pages` (the
-        pool, donated) then run each model, burst and sampler program once on an all-padding batch, which
-        computes nothing into the pool (runtime/step.py), and return the pool: a program's first run pays
+        pool, donated) then run each program once on an all-padding batch, which computes nothing into the
+        pool (runtime/step.py) or the page table, and return the pool: a program's first run pays
         one-time costs (on a GPU, loading its kernels and building its command buffer) that would otherwise
         land on the first request that needs the program. Without, returns None."""
         keys = [k for k in self.program_keys() if k not in self._executables]

@@ -97,8 +97,8 @@ class EngineConfig:
     seed: int = 0  # seeds of requests that bring none are drawn from this
     strict_compile: bool = False  # a compile after warmup raises (tests) instead of logging an alert
     warmup: bool = True  # compile every bucket at start-up
-    # With warmup: also run each compiled model, burst and sampler program once on an all-padding batch
-    # (it computes nothing into the KV pool), so that a program's one-time first-run costs (on a GPU: its
+    # With warmup: also run each compiled step program once on an all-padding batch (it computes nothing
+    # into the KV pool or the page table), so that a program's one-time first-run costs (on a GPU: its
     # kernels loaded, its command buffer built, tens of ms) are not paid by the first request that needs
     # it. None: on GPUs only.
     warmup_runs: bool | None = None

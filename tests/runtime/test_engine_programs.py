@@ -290,9 +290,10 @@ def test_model_step_fn_runs_the_executors_model_program():
 
 @pytest.mark.parametrize("runs", [True, False])
 def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch, runs):
-    """EngineConfig.warmup_runs: warmup runs every compiled model, burst and sampler program once on an
-    all-padding batch (the page-table update programs excepted), which writes nothing into the KV pool,
-    and the engine's tokens are those of an engine that skipped the runs, with no compile after warmup."""
+    """EngineConfig.warmup_runs: warmup runs every compiled program once on an all-padding batch (the
+    page-table updates on updates that all drop), which writes nothing into the KV pool or the page
+    table, and the engine's tokens are those of an engine that skipped the runs, with no compile after
+    warmup."""
     from runtime.compilation import StepExecutor
 
     calls = {}
@@ -313,10 +314,11 @@ def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch, runs):
     keys = eng.executor.program_keys()
     assert {k[0] for k in keys} >= {"model", "burst", "count", "penalize", "pick", "logprobs", "pages"}
     if runs:
-        assert calls == {k: 1 for k in keys if k[0] != "pages"}
+        assert calls == {k: 1 for k in keys}
     else:
         assert calls == {}
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(eng.kv_pages))  # the pool is still all zeros
+    assert not np.asarray(eng.executor.page_table).any()  # and the page table
     plain = eng if not runs else Engine(model, EngineConfig(**cfg, warmup_runs=False))
     try:
         workload = greedy_requests("w", 10)
