@@ -75,6 +75,9 @@ def _set_pages(table, upd):
     return table.at[upd[0], upd[1]].set(upd[2], mode="drop")
 
 
+_POOL_PROGRAMS = ("model", DECODE_MODEL, "burst")  # programs that take (and donate) the KV pool
+
+
 class CompileAfterWarmupError(RuntimeError):
     """The engine would compile while serving (strict mode)."""
 
@@ -290,62 +293,57 @@ class StepExecutor:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._batch_sharding)
 
     def _lower(self, key: tuple):
-        if key[0] == "pages":
-            return self._set_pages.lower(self._abstract(self.page_table),
-                                         self._abstract(np.zeros((3, key[1]), np.int32)))
-        if key[0] in ("model", DECODE_MODEL, "burst"):
-            args, static = self._padding_inputs(key)
-            abstract = (self._abstract_params, self._abstract_kv,
-                        *(jax.tree.map(self._abstract, a) for a in args[2:]))
-            program = self._burst if key[0] == "burst" else self._model
-            return program.lower(*abstract, *static)
-        name, S = key
-        fn, args = self._samplers[name]
-        values = self._sampler_padding_inputs(S)
-        return fn.lower(*(jax.tree.map(self._abstract, values[a]) for a in args))
+        program, args, static = self._padding_call(key)
+        head = ()
+        if key[0] in _POOL_PROGRAMS:  # the parameters and the pool keep their own shardings
+            head, args = (self._abstract_params, self._abstract_kv), args[2:]
+        return program.lower(*head, *(jax.tree.map(self._abstract, a) for a in args), *static)
 
-    def _padding_inputs(self, key: tuple) -> tuple[tuple, tuple]:
-        """A model or burst program's arguments for an all-padding batch of its bucket, as (dynamic, static):
-        the dynamic ones are the parameters' leaves, None where the pool goes, then the batch's host arrays
-        and the executor's device arrays (prev, the page table)."""
+    def _padding_call(self, key: tuple) -> tuple[Callable, tuple, tuple]:
+        """The jitted function of program `key` and its (dynamic, static) arguments for an all-padding
+        batch of its bucket. Dynamic: host arrays and the executor's device arrays; for a model or burst
+        program the parameters' leaves first, then None where the pool goes. A page-table update's rows
+        are all `slots`, out of range: it writes nothing."""
+        if key[0] == "pages":
+            return self._set_pages, (self.page_table, np.full((3, key[1]), self.slots, np.int32)), ()
+        if key[0] not in _POOL_PROGRAMS:
+            name, S = key
+            b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
+            values = dict(logits=np.broadcast_to(np.float32(0), (S, self._vocab_size)), rows=b.rows,
+                          history=b.history, start=np.int32(0), counts=self._zero_counts(S), tokens=self._no_prev,
+                          prev=self._no_prev, prev_burst=self._no_prev_burst)
+            fn, names = self._samplers[name]
+            return fn, tuple(values[a] for a in names), ()
         T, S = key[1:3]
         b = self._empty_batch(T, S)
         args = (self._param_leaves, None, b.flat, b.rows, self._no_prev)
         static = (b.layout, self._param_treedef)
         if key[0] == "burst":
             sampler, penalties, logprobs = key[3:]
-            return ((*args, self._zero_counts(S) if penalties else None, self.page_table),
-                    (*static, self.decode_steps, sampler, penalties, self.max_logprobs if logprobs else None,
-                     S <= self.unroll_burst_max_seqs))
-        return (*args, self.page_table), (*static, key[0] == DECODE_MODEL)
-
-    def _sampler_padding_inputs(self, S: int) -> dict:
-        """Every argument a sampler program of seq bucket S may take, for an all-padding batch."""
-        b = self._empty_batch(S, S)  # any T: the sampling arrays do not depend on it
-        return dict(logits=np.broadcast_to(np.float32(0), (S, self._vocab_size)), rows=b.rows, history=b.history,
-                    start=np.int32(0), counts=self._zero_counts(S), tokens=self._no_prev, prev=self._no_prev,
-                    prev_burst=self._no_prev_burst)
+            return self._burst, (*args, self._zero_counts(S) if penalties else None, self.page_table), (
+                *static, self.decode_steps, sampler, penalties, self.max_logprobs if logprobs else None,
+                S <= self.unroll_burst_max_seqs)
+        return self._model, (*args, self.page_table), (*static, key[0] == DECODE_MODEL)
 
     def _zero_counts(self, S: int) -> PenaltyCounts:
         shape = (S, self._vocab_size)
         return PenaltyCounts(np.broadcast_to(np.float32(0), shape), np.broadcast_to(np.False_, shape))
 
     def _first_runs(self, kv_pages, progress: bool):
-        """Run every program once on an all-padding batch, the page-table updates on updates that all
-        drop (see warmup); returns the pool, donated through the model and burst programs."""
-        keys = self.program_keys()
+        """Run every program once on its all-padding arguments (_padding_call; see warmup); returns the
+        pool, donated through the model and burst programs."""
         put = functools.partial(jax.device_put, device=self._batch_sharding)
-        for key in tqdm(keys, desc="first runs of the step programs", unit="program", disable=not progress):
-            exe = self._executables[key]
-            if key[0] == "pages":  # row `slots` is out of range: nothing is written
-                outs = self.page_table = exe(self.page_table, put(np.full((3, key[1]), self.slots, np.int32)))
-            elif key[0] in ("model", DECODE_MODEL, "burst"):
-                args, _ = self._padding_inputs(key)
-                outs = exe(args[0], kv_pages, *(jax.tree.map(put, a) for a in args[2:]))
+        for key in tqdm(self.program_keys(), desc="first runs of the step programs", unit="program",
+                        disable=not progress):
+            _, args, _ = self._padding_call(key)
+            head = ()
+            if key[0] in _POOL_PROGRAMS:
+                head, args = (args[0], kv_pages), args[2:]
+            outs = self._executables[key](*head, *(jax.tree.map(put, a) for a in args))
+            if key[0] == "pages":
+                self.page_table = outs
+            elif key[0] in _POOL_PROGRAMS:
                 kv_pages = outs[2]
-            else:
-                values = self._sampler_padding_inputs(key[1])
-                outs = exe(*(jax.tree.map(put, values[a]) for a in self._samplers[key[0]][1]))
             jax.block_until_ready(outs)
         return kv_pages
 

@@ -404,9 +404,10 @@ def main() -> None:
         lo, hi = d["output_tok_s_range"]
         return f"{d['output_tok_s']:,.0f} [{lo:,.0f}-{hi:,.0f}]"
 
+    m = x.get("mesh", {})
+    on_mesh = m.get("replica", 1) * m.get("tensor", 1) > 1
     if "output_tok_s" in x:
-        mesh = ("" if x["mesh"] == {"replica": 1, "tensor": 1}
-                else "replica {replica} x tensor {tensor}, ".format(**x["mesh"]))
+        mesh = "replica {replica} x tensor {tensor}, ".format(**x["mesh"]) if on_mesh else ""
         print(f"| xlaserve LLM.generate | {x['device']} | {rate(x)} | {x['total_tok_s']:,.0f} | "
               f"{x['wall_s']:.2f} | {mesh}{x['steps']:.0f} steps a run "
               f"({x['bursts']:.0f} bursts of {x['decode_steps']}), "
@@ -422,7 +423,7 @@ def main() -> None:
     elif "hf" in result:
         print(f"| HF | failed: {h.get('error')} |")
     if "floor_output_tok_s" in x:
-        mesh = "this device's" if x["mesh"] == {"replica": 1, "tensor": 1} else "the mesh's, the devices' summed"
+        mesh = "the mesh's, the devices' summed" if on_mesh else "this device's"
         print(f"| physical floor ({mesh} copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
               f"{x['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) | {x['device']} | {x['floor_output_tok_s']:,.0f} | - | "
               f"{x['floor_s']:.2f} | prefill {x['floor_prefill_s']:.2f} s + decode {x['floor_decode_s']:.2f} s |")
