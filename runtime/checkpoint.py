@@ -25,7 +25,7 @@ from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
 from pallas_kernels.dispatch import select_attention_impl, select_gemm_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
-from sharding.mesh import MeshConfig
+from sharding.mesh import MeshConfig, mesh_axis_size
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
 
 ORBAX_CONFIG = "xlaserve_config.json"
@@ -64,6 +64,35 @@ class LoadedModel:
         """forward(params, tokens, positions, kv_pages, attn_meta, logits_indices=None, greedy=False,
         decode_only=False) (models/llama.py, make_forward)."""
         return make_forward(self.graphdef)
+
+    def replica_views(self) -> list[LoadedModel]:
+        """One model per index of the mesh's `replica` axis, on that replica's devices alone (the
+        mesh with that axis cut to size 1), sharing this model's arrays: the weights are replicated
+        over `replica` (sharding/rules.py), so each replica's devices already hold a whole copy and
+        the views copy nothing. [self] when the mesh has one replica."""
+        R = mesh_axis_size(self.mesh, "replica")
+        if R == 1:
+            return [self]
+        local = jax.process_index()
+        if any(d.process_index != local for d in self.mesh.devices.flat):
+            raise NotImplementedError("replicas over devices of several processes: run one server per host instead")
+        axis = self.mesh.axis_names.index("replica")
+        views = []
+        for r in range(R):
+            sub = jax.sharding.Mesh(np.take(self.mesh.devices, [r], axis=axis), self.mesh.axis_names)
+            devices = set(sub.devices.flat)
+
+            def view(var, sub=sub, devices=devices):
+                x = var.value
+                assert "replica" not in jax.tree.leaves(tuple(x.sharding.spec)), x.sharding.spec
+                shards = [s.data for s in x.addressable_shards if s.device in devices]
+                return var.replace(jax.make_array_from_single_device_arrays(
+                    x.shape, jax.sharding.NamedSharding(sub, x.sharding.spec), shards))
+
+            params = jax.tree.map(view, self.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            graphdef, _, _ = _model_parts(self.config, sub, self.dtype)
+            views.append(dataclasses.replace(self, graphdef=graphdef, params=params, mesh=sub))
+        return views
 
 
 def resolve_dtype(dtype, checkpoint_dtype) -> jnp.dtype:

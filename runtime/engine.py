@@ -186,7 +186,10 @@ class _Group:
 
 
 class Engine:
-    """Synchronous engine; drive it with add_request / abort / step from one thread."""
+    """Synchronous engine on one replica of the mesh (runtime/replicas.py runs several); drive it
+    with add_request / abort / step from one thread."""
+
+    num_replicas = 1
 
     def __init__(
         self,
@@ -197,6 +200,11 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,  # default: the tokenizer's (e.g. a generation config's list)
     ) -> None:
         config = config or EngineConfig()
+        if mesh_axis_size(model.mesh, "replica") > 1:
+            raise ValueError(
+                f"an Engine runs on one replica; this model's mesh has {mesh_axis_size(model.mesh, 'replica')} "
+                "(runtime.replicas.make_engine builds one engine per replica)"
+            )
         cfg = model.config
         max_len = config.max_model_len or cfg.max_position_embeddings
         config = config.resolve(
@@ -378,6 +386,14 @@ class Engine:
         self._counts["aborted"] += 1
         self._ready.append(group)
         return True
+
+    def waiting(self) -> tuple[int, int]:
+        """(requests, prompt tokens) queued and not yet admitted."""
+        return self.scheduler.num_waiting, self.scheduler.num_waiting_tokens
+
+    def num_live_requests(self) -> int:
+        """User requests added and not yet finished (or whose final output is still to come)."""
+        return len(self._groups)
 
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:

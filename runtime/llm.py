@@ -87,7 +87,7 @@ class LLM:
     ) -> None:
         from runtime.checkpoint import LoadedModel, load_model
         from runtime.config import EngineConfig
-        from runtime.engine import Engine
+        from runtime.replicas import make_engine
         from runtime.tokenizer import Tokenizer, load_tokenizer
 
         config = EngineConfig(**{"decode_steps": OFFLINE_DECODE_STEPS, **engine_config})
@@ -100,7 +100,7 @@ class LLM:
             tokenizer = loaded.tokenizer_path
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             tokenizer = load_tokenizer(tokenizer)
-        self.engine = Engine(loaded, config, tokenizer=tokenizer)
+        self.engine = make_engine(loaded, config, tokenizer=tokenizer)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
@@ -185,7 +185,7 @@ class LLM:
         if not todo:  # every prompt is queued: nothing to count (the decode steps' path)
             return
         engine = self.engine
-        waiting, tokens = engine.scheduler.num_waiting, engine.scheduler.num_waiting_tokens
+        waiting, tokens = engine.waiting()
         try:
             while todo and self._room(waiting, tokens):
                 prompt_ids, text, sp = todo.popleft()
@@ -196,10 +196,10 @@ class LLM:
             raise
 
     def _room(self, requests: int, tokens: int) -> bool:
-        """Whether the queue window (max_num_seqs requests, two steps' worth of prompt tokens) has
-        room past `requests` waiting requests of `tokens` prompt tokens."""
-        cfg = self.engine.config
-        return requests < cfg.max_num_seqs and tokens < 2 * cfg.max_num_batched_tokens
+        """Whether the queue window (max_num_seqs requests, two steps' worth of prompt tokens, each
+        times the engine's replicas) has room past `requests` waiting requests of `tokens` prompt tokens."""
+        cfg, r = self.engine.config, self.engine.num_replicas
+        return requests < r * cfg.max_num_seqs and tokens < 2 * r * cfg.max_num_batched_tokens
 
     def _withdraw(self, ids: list[str]) -> None:
         """Abort every request of the call and run the engine until it is empty."""

@@ -32,8 +32,9 @@ lists the device kernels that took the most time in it, with their counts, and t
 time against the run's span (`result["xla"]["profile"]`; a CPU trace has no device kernels).
 
 `--replica R --tensor T` run xlaserve on a mesh of R x T devices (EngineConfig.mesh: the weights and the
-KV pages split over KV heads on the tensor axis, the batch over replicas); its floor is then the mesh's, each
-ceiling (measured on the first device) times R x T. HF runs on one GPU whatever the mesh.
+KV pages split over KV heads on the tensor axis; R engines, one per replica, each with --max-num-seqs
+sequences and its own KV pool: runtime/replicas.py); its floor is then the mesh's, each ceiling (measured on
+the first device) times R x T. HF runs on one GPU whatever the mesh.
 
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
@@ -144,9 +145,9 @@ def run_xla(args) -> dict:
     res = {
         "device": kind if num_devices == 1 else f"{num_devices} x {kind}", "jax": jax.__version__,
         "mesh": {"replica": mesh["replica"], "tensor": mesh["tensor"]},
-        "kv_pages_sharding": str(eng.kv_pages[0].sharding.spec),
+        "kv_pages_sharding": str(getattr(eng, "replicas", [eng])[0].kv_pages[0].sharding.spec),  # each replica's
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
-        "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": eng.config.num_pages,
+        "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": st0.num_total_pages,
         "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
         **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
         "wrong_length": bad[:5], "repeats": args.repeats,

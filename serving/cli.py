@@ -97,6 +97,9 @@ _SERVE_FLAGS = [
     ("--status-interval", "server", "status_interval_s", dict(type=float, help="status log period; 0: off")),
     ("--log-level", "server", "log_level", dict(choices=["debug", "info", "warning", "error"])),
     ("--dtype", "engine", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    ("--replica", "engine", "mesh.replica",
+     dict(type=int, help="replicas: an engine per replica on its own devices, each with max_num_seqs sequences "
+                         "and its own KV pool")),
     ("--tensor", "engine", "mesh.tensor", dict(type=int, help="tensor-parallel degree")),
     ("--max-num-seqs", "engine", "max_num_seqs", dict(type=int)),
     ("--max-num-batched-tokens", "engine", "max_num_batched_tokens", dict(type=int)),
@@ -130,10 +133,9 @@ def _serve_settings(args):
         v = getattr(args, key.replace(".", "__"))
         if v is None:
             continue
-        if key == "mesh.tensor":
-            mesh = dict((data.get("engine") or {}).get("mesh") or {})
-            mesh["tensor"] = v
-            over["engine"]["mesh"] = mesh
+        if key.startswith("mesh."):
+            mesh = over["engine"].setdefault("mesh", dict((data.get("engine") or {}).get("mesh") or {}))
+            mesh[key.removeprefix("mesh.")] = v
         else:
             over[section][key] = tuple(v) if key == "api_keys" else v
     return build_settings(data, over)

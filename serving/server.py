@@ -141,7 +141,7 @@ def build_engine(settings: ServeSettings, model: str):
     worker thread). Returns (async_engine, tokenizer, source)."""
     from runtime.async_engine import AsyncEngine
     from runtime.checkpoint import load_model
-    from runtime.engine import Engine
+    from runtime.replicas import make_engine
     from runtime.tokenizer import load_tokenizer
 
     config = settings.engine_config()
@@ -149,7 +149,7 @@ def build_engine(settings: ServeSettings, model: str):
                         progress=config.progress)
     tok_path = settings.tokenizer or loaded.tokenizer_path
     tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
-    engine = Engine(loaded, config, tokenizer=tokenizer)  # compiles every bucket (progress bar)
+    engine = make_engine(loaded, config, tokenizer=tokenizer)  # compiles every bucket (progress bar)
     return AsyncEngine(engine), tokenizer, str(loaded.source)
 
 

@@ -27,6 +27,7 @@ from runtime.checkpoint import load_model
 from runtime.compilation import BACKEND_COMPILE_EVENT
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime import replicas
 from runtime.request import SamplingParams
 from runtime.sampling import history_placeholder
 from sharding.mesh import MeshConfig
@@ -528,12 +529,17 @@ def test_mesh_equals_single_device(workload, alone, replica, tensor):
     m = load_model(shared_data_dir() / "stories260k" / "stories260K.bin", mesh=mesh, dtype="float32", progress=False)
     if tensor > 1:
         assert m.params["layers"][0]["mlp"]["gate_up_proj"][...].sharding.spec[2] == "tensor"
-    e = Engine(m, EngineConfig(**{**BASE, "token_buckets": (64,), "seq_buckets": (8,), "mesh": MeshConfig(replica, tensor)}))
+    cfg = EngineConfig(**{**BASE, "token_buckets": (64,), "seq_buckets": (8,), "mesh": MeshConfig(replica, tensor)})
+    e = replicas.make_engine(m, cfg)
     try:
+        engines = getattr(e, "replicas", [e])
+        assert len(engines) == replica  # one engine per replica, each on its own devices
+        assert len({d for x in engines for d in x.kv_pages[0].devices()}) == replica * tensor
         if tensor > 1:
             assert e.kv_pages[0].sharding.spec[2] == "tensor"
         sub = workload[:12]
         results = run_workload(e, sub)
+        assert all(x.stats().num_requests > 0 for x in engines)
     finally:
         e.close()
     assert_matches_alone({rid: alone[rid] for rid, _, _ in sub}, results)

@@ -213,8 +213,9 @@ def test_small_decode_steps_sum_partial_products_with_the_same_tokens(monkeypatc
 @pytest.mark.parametrize("replica,tensor", [(1, 2), (2, 1)])
 def test_two_gpu_meshes_give_one_gpus_tokens(replica, tensor):
     """The engine on a mesh of two GPUs, with tensor=2 (KV pages split over KV heads, the Triton KV
-    write and attention run per shard) or replica=2, gives one GPU's greedy tokens in float32, bursts
-    included, with no compile after warmup. The same check on fake CPU devices: test_engine.py."""
+    write and attention run per shard) or replica=2 (an engine per GPU, both given requests), gives one
+    GPU's greedy tokens in float32, bursts included, with no compile after warmup. The same check on
+    fake CPU devices: test_engine.py."""
     from tests.testing.engine import scaled_dummy
 
     prompts = [np.random.default_rng(5).integers(0, 256, n).tolist() for n in (3, 17, 40, 9, 64, 25, 1, 33, 50, 12)]
@@ -224,12 +225,14 @@ def test_two_gpu_meshes_give_one_gpus_tokens(replica, tensor):
         model = scaled_dummy(mesh=mesh_cfg.make_mesh(devices), seed=11)  # head dim 16: the GPU kernels
         assert model.attn_impl == "gpu"
         llm = LLM(model, **CFG)
+        engines = getattr(llm.engine, "replicas", [llm.engine])  # replica=2: an engine per GPU
         try:
-            assert {d.id for d in llm.engine.kv_pages[0].devices()} == {d.id for d in devices}
+            assert len(engines) == mesh_cfg.replica
+            assert {d.id for e in engines for d in e.kv_pages[0].devices()} == {d.id for d in devices}
             if tensor > 1 and len(devices) == 2:
                 assert llm.engine.kv_pages[0].sharding.spec[2] == "tensor"
             outs[len(devices)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            assert llm.engine.executor.num_compiles_after_warmup == 0
+            assert all(e.executor.num_compiles_after_warmup == 0 and e.stats().num_requests for e in engines)
         finally:
             llm.engine.close()
     assert all(len(t) == 16 for t in outs[1])

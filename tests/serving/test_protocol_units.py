@@ -208,10 +208,11 @@ def test_every_serve_flag_maps_to_a_config_key(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("server:\n  port: 9000\n  grpc_port: 9001\nengine:\n  mesh: {replica: 1}\n")
     args = cli.build_parser().parse_args(["serve", "--config", str(cfg), "--port", "7000", "--api-key", "a",
-                                          "--api-key", "b", "--tensor", "1", "--no-prefix-caching"])
+                                          "--api-key", "b", "--tensor", "1", "--replica", "2", "--no-prefix-caching"])
     s = cli._serve_settings(args)
     assert (s.server.port, s.server.grpc_port, s.server.api_keys) == (7000, 9001, ("a", "b"))
-    assert s.engine["mesh"] == {"replica": 1, "tensor": 1} and s.engine["enable_prefix_caching"] is False
+    assert s.engine["mesh"] == {"replica": 2, "tensor": 1} and s.engine["enable_prefix_caching"] is False
+    assert s.engine_config().mesh.replica == 2
 
 
 def test_serve_decodes_in_bursts_unless_told_otherwise(tmp_path):

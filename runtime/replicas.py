@@ -1,0 +1,150 @@
+"""Replica parallelism: one engine per index of the mesh's `replica` axis, behind one engine's API.
+
+A mesh of R replicas x T tensor devices runs R independent engines, each on its T devices with its
+own scheduler, KV pool and compiled programs, sharing the loaded weights (LoadedModel.replica_views:
+no copy). A request runs on one replica from start to end (its n samples too: they share its
+prompt's pages); a new request goes to the replica with the fewest live requests, the earlier one
+on a tie. `step()` steps every replica that has work, one after another: each engine's step returns
+once its next step is dispatched (runtime/engine.py, lookahead), so every replica's device computes
+while the host serves the others.
+
+Why not one SPMD program with the batch split over `replica`: the Pallas kernels are custom calls
+that XLA's partitioner cannot split, the KV pool and page tables would need a replica axis the
+scheduler packs for, and a replica with nothing to do would still run every step in lockstep with
+the others. Separate engines need none of that, and a replica's steps size to its own batch.
+
+EngineConfig's limits (max_num_seqs, max_num_batched_tokens, num_pages) are per replica: R replicas
+hold R times the sequences and pages of one. Requests whose seed is unset draw it from a generator
+per replica, each seeded from EngineConfig.seed and the replica's index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from runtime.checkpoint import LoadedModel
+from runtime.config import EngineConfig
+from runtime.engine import Engine, EngineStats
+from runtime.llm import RequestOutput
+from runtime.request import SamplingParams
+
+
+def make_engine(model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
+                eos_token_ids: Sequence[int] | None = None) -> Engine | ReplicatedEngine:
+    """The engine for `model`'s mesh: an Engine on one replica, a ReplicatedEngine on several."""
+    views = model.replica_views()
+    if len(views) == 1:
+        return Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
+    return ReplicatedEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, views=views)
+
+
+class ReplicatedEngine:
+    """R Engines, one per replica of `model`'s mesh, driven as one: the Engine API that LLM and the
+    async engine use (add_request, abort, step, stats, ...)."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
+                 eos_token_ids: Sequence[int] | None = None, views: list[LoadedModel] | None = None) -> None:
+        config = config or EngineConfig()
+        views = views if views is not None else model.replica_views()
+        self.model = model
+        self.tokenizer = tokenizer
+        seeds = np.random.SeedSequence(config.seed).generate_state(len(views), np.uint32)
+        self.replicas = [Engine(view, dataclasses.replace(config, seed=int(seed)), tokenizer=tokenizer,
+                                eos_token_ids=eos_token_ids) for view, seed in zip(views, seeds)]
+        self.config = self.replicas[0].config  # resolved (num_pages: each replica's)
+        self._where: dict[str, Engine] = {}  # live request id -> its replica
+        self._ids = itertools.count()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        for e in self.replicas:
+            e.warmup()
+
+    def close(self) -> None:
+        for e in self.replicas:
+            e.close()
+
+    # -- requests in ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, **kwargs) -> str:
+        """Engine.add_request on the least loaded replica."""
+        request_id = self._new_id(request_id)
+        engine = self._least_loaded()
+        engine.add_request(prompt, params, request_id=request_id, **kwargs)
+        self._where[request_id] = engine
+        return request_id
+
+    def enqueue_checked(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                        **kwargs) -> str:
+        """Engine.enqueue_checked on the least loaded replica."""
+        request_id = self._new_id(request_id)
+        engine = self._least_loaded()
+        engine.enqueue_checked(prompt_ids, params, request_id=request_id, **kwargs)
+        self._where[request_id] = engine
+        return request_id
+
+    def prepare_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        return self.replicas[0].prepare_prompt(prompt)
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str = "") -> None:
+        """Engine.validate (the replicas share their configuration): safe from any thread."""
+        self.replicas[0].validate(prompt_ids, params, request_id=request_id)
+
+    def abort(self, request_id: str) -> bool:
+        engine = self._where.get(request_id)
+        return engine is not None and engine.abort(request_id)
+
+    def waiting(self) -> tuple[int, int]:
+        """(requests, prompt tokens) queued and not yet admitted, over every replica."""
+        counts = [e.waiting() for e in self.replicas]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._where:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._where:
+            raise ValueError(f"request id {request_id!r} is already live")
+        return request_id
+
+    def _least_loaded(self) -> Engine:
+        return min(self.replicas, key=lambda e: e.num_live_requests())
+
+    # -- the step -------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def step(self, *, partial: bool = True) -> list[RequestOutput]:
+        """One step of every replica that has work (Engine.step); their outputs together."""
+        outputs: list[RequestOutput] = []
+        for e in self.replicas:
+            if e.has_unfinished():
+                outputs.extend(e.step(partial=partial))
+        for out in outputs:
+            if out.finished:
+                self._where.pop(out.request_id, None)
+        return outputs
+
+    # -- stats and checks -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The replicas' statistics summed; kv_usage is the share of all their pages in use."""
+        parts = [e.stats() for e in self.replicas]
+        total = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineStats)}
+        pages = total["num_total_pages"]
+        total["kv_usage"] = sum(p.kv_usage * p.num_total_pages for p in parts) / pages if pages else 0.0
+        return EngineStats(**total)
+
+    def check_invariants(self) -> None:
+        for e in self.replicas:
+            e.check_invariants()
+        if not self.has_unfinished():
+            assert not self._where, f"{len(self._where)} request ids still mapped to a replica"

@@ -1,0 +1,142 @@
+"""Replica parallelism (runtime/replicas.py): one engine per replica of the mesh, driven as one engine.
+
+That replicated engines give a single device's greedy tokens (tensor=2 inside a replica too) is
+test_engine.py::test_mesh_equals_single_device; on two GPUs, test_engine_gpu.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.async_engine import AsyncEngine, GenerationRequest
+from runtime.checkpoint import load_model
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.llm import LLM
+from runtime.replicas import ReplicatedEngine, make_engine
+from runtime.request import SamplingParams
+from sharding.mesh import MeshConfig
+from tests.testing.data import shared_data_dir
+from tests.testing.engine import BASE, check_idle, run_one
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
+
+VOCAB = 512  # stories260K
+
+
+@pytest.fixture(scope="module")
+def model2():
+    mesh = MeshConfig(replica=2).make_mesh()
+    return load_model(shared_data_dir() / "stories260k" / "stories260K.bin", mesh=mesh, dtype="float32",
+                      progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine2(model2):
+    e = make_engine(model2, EngineConfig(**BASE, mesh=MeshConfig(replica=2)))
+    assert isinstance(e, ReplicatedEngine) and e.num_replicas == 2
+    yield e
+    e.close()
+
+
+def _prompts(n, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, int(rng.integers(2, 50))).tolist() for _ in range(n)]
+
+
+def test_views_share_the_weights(model2):
+    """Each replica's model lives on its own device and holds the loaded arrays' own buffers."""
+    views = model2.replica_views()
+    assert [list(v.mesh.devices.flat) for v in views] == [[d] for d in model2.mesh.devices.flat]
+    for view in views:
+        (device,) = view.mesh.devices.flat
+        for x, y in zip(jax.tree.leaves(model2.params), jax.tree.leaves(view.params)):
+            assert y.devices() == {device} and y.shape == x.shape
+            (orig,) = [s.data for s in x.addressable_shards if s.device == device]
+            assert y.addressable_shards[0].data.unsafe_buffer_pointer() == orig.unsafe_buffer_pointer()
+    with pytest.raises(ValueError, match="make_engine"):
+        Engine(model2, EngineConfig(**BASE, warmup=False))
+
+
+def test_requests_spread_over_replicas_and_abort_where_they_run(engine2):
+    before = [e.stats().num_requests for e in engine2.replicas]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = [engine2.add_request(p, params) for p in _prompts(6, 1)]
+    assert len(set(ids)) == 6
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [3, 3]  # least loaded first
+    with pytest.raises(ValueError, match="already live"):
+        engine2.add_request([5, 6, 7], params, request_id=ids[0])
+    assert engine2.abort(ids[1]) and engine2.abort(ids[4])  # one on each replica
+    assert not engine2.abort("no-such-request")
+    finals = {}
+    while engine2.has_unfinished():
+        for o in engine2.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert sorted(finals) == sorted(ids)
+    for rid in ids:
+        reason = finals[rid].outputs[0].finish_reason
+        assert reason == ("abort" if rid in (ids[1], ids[4]) else "length")
+    check_idle(engine2)
+    assert engine2.stats().num_aborted >= 2
+
+
+def test_unseeded_requests_draw_different_seeds_on_each_replica(engine2):
+    """Each replica's generator is seeded apart: the first unseeded request of each one does not
+    sample the same tokens (they would, with both generators seeded from EngineConfig.seed alone)."""
+    params = SamplingParams(temperature=1.5, max_tokens=24, ignore_eos=True)
+    prompt = _prompts(1, 2)[0]
+    fresh = make_engine(engine2.model, EngineConfig(**BASE, mesh=MeshConfig(replica=2)))
+    try:
+        a, b = fresh.add_request(prompt, params), fresh.add_request(prompt, params)
+        finals = {}
+        while fresh.has_unfinished():
+            finals.update({o.request_id: o for o in fresh.step() if o.finished})
+        assert [e.stats().num_requests for e in fresh.replicas] == [1, 1]
+        assert finals[a].outputs[0].token_ids != finals[b].outputs[0].token_ids
+        check_idle(fresh)
+    finally:
+        fresh.close()
+
+
+def test_llm_generate_on_replicas_gives_each_request_its_own_tokens(engine2):
+    prompts = _prompts(10, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    before = [e.stats().num_requests for e in engine2.replicas]
+    outs = LLM.from_engine(engine2).generate(prompts, params, use_tqdm=False)
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [5, 5]
+    alone = [run_one(engine2.replicas[0], p, params) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    check_idle(engine2)
+
+
+def test_async_engine_streams_and_cancels_on_replicas(engine2):
+    async def main():
+        ae = AsyncEngine(engine2)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            streams = [ae.submit(GenerationRequest(prompt_token_ids=p, sampling_params=params, request_id=f"a{i}"))
+                       for i, p in enumerate(_prompts(4, 4))]
+
+            async def drain(stream, cancel=None):
+                last = None
+                async for last in stream:
+                    if cancel:
+                        ae.cancel(cancel)
+                        cancel = None
+                return last
+
+            finals = await asyncio.gather(*(drain(s, "a3" if i == 3 else None) for i, s in enumerate(streams)))
+        finally:
+            ae.shutdown()
+        return finals
+
+    finals = asyncio.run(main())
+    reasons = [f.outputs[0].finish_reason for f in finals]
+    assert reasons[:3] == ["length"] * 3 and reasons[3] == "abort"
+    assert all(len(f.outputs[0].token_ids) == 40 for f in finals[:3])
+    check_idle(engine2)
