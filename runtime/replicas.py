@@ -56,6 +56,7 @@ class ReplicatedEngine:
         self.replicas = [Engine(view, dataclasses.replace(config, seed=int(seed)), tokenizer=tokenizer,
                                 eos_token_ids=eos_token_ids) for view, seed in zip(views, seeds)]
         self.config = self.replicas[0].config  # resolved (num_pages: each replica's)
+        self.eos_ids = self.replicas[0].eos_ids
         self._where: dict[str, Engine] = {}  # live request id -> its replica
         self._ids = itertools.count()
 

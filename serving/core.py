@@ -110,7 +110,7 @@ class ServingCore:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self, engine, *, tokenizer=None, source: str = "", chat_template: str | None = None) -> None:
-        """Serve `engine` (an AsyncEngine over a warmed-up Engine); health turns SERVING."""
+        """Serve `engine` (an AsyncEngine over a warmed-up Engine or ReplicatedEngine); health turns SERVING."""
         eng = engine.engine
         cfg, mcfg = eng.config, eng.model.config
         self.engine, self.tokenizer = engine, tokenizer
@@ -124,7 +124,9 @@ class ServingCore:
             eos_token_ids=tuple(eng.eos_ids), has_tokenizer=tokenizer is not None,
             has_chat_template=chat_template is not None or (tokenizer is not None and tokenizer.chat_template is not None),
             dtype=getattr(eng.model.dtype, "__name__", str(eng.model.dtype)),
-            max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size, num_pages=cfg.num_pages,
+            # an engine per replica (runtime/replicas.py): the limits of all of them
+            max_num_seqs=cfg.max_num_seqs * eng.num_replicas, page_size=cfg.page_size,
+            num_pages=cfg.num_pages * eng.num_replicas,
             max_logprobs=cfg.max_logprobs, max_n=self.config.max_n, max_stop=self.config.max_stop,
             created=int(time.time()),
         )

@@ -140,3 +140,14 @@ def test_async_engine_streams_and_cancels_on_replicas(engine2):
     assert reasons[:3] == ["length"] * 3 and reasons[3] == "abort"
     assert all(len(f.outputs[0].token_ids) == 40 for f in finals[:3])
     check_idle(engine2)
+
+
+def test_serving_core_reports_every_replicas_capacity(engine2):
+    from serving.config import ServerConfig
+    from serving.core import ServingCore
+
+    core = ServingCore(ServerConfig(), "stories")
+    core.attach(AsyncEngine(engine2, start=False))
+    info, cfg = core.model_info, engine2.config
+    assert (info.max_num_seqs, info.num_pages) == (2 * cfg.max_num_seqs, 2 * cfg.num_pages)
+    assert info.eos_token_ids == engine2.replicas[0].eos_ids and info.vocab_size == VOCAB
