@@ -391,6 +391,11 @@ class Engine:
         """(requests, prompt tokens) queued and not yet admitted."""
         return self.scheduler.num_waiting, self.scheduler.num_waiting_tokens
 
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens the prefix cache holds now (0 with prefix caching off). Counts nothing."""
+        pc = self.scheduler.prefix_cache
+        return 0 if pc is None else pc.cached_prefix_pages(prompt_ids, cache_salt) * self.config.page_size
+
     def num_live_requests(self) -> int:
         """User requests added and not yet finished (or whose final output is still to come)."""
         return len(self._groups)

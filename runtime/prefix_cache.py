@@ -70,6 +70,19 @@ class PrefixCache:
             out.append(page)
         return out
 
+    def cached_prefix_pages(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """len(match(page_hashes(token_ids, cache_salt), len(token_ids))), hashing pages only up to
+        the first one not cached (one hash for a prompt with nothing cached). Counts nothing."""
+        G = self.page_size
+        limit = max(len(token_ids) - 1, 0) // G
+        parent, n = self.root_hash(cache_salt), 0
+        while n < limit:
+            parent = hashlib.sha256(self._key + parent + array("q", token_ids[n * G : (n + 1) * G]).tobytes()).digest()
+            if parent not in self._page_of:
+                break
+            n += 1
+        return n
+
     def lookup(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
         """match(), counted in the hit/query statistics. The caller must incref the pages before
         allocating anything, or an eviction may hand one of them out."""

@@ -3,8 +3,10 @@
 A mesh of R replicas x T tensor devices runs R independent engines, each on its T devices with its
 own scheduler, KV pool and compiled programs, sharing the loaded weights (LoadedModel.replica_views:
 no copy). A request runs on one replica from start to end (its n samples too: they share its
-prompt's pages); a new request goes to the replica with the fewest live requests, the earlier one
-on a tie. `step()` steps every replica that has work, one after another: each engine's step returns
+prompt's pages). A new request goes to the replica whose prefix cache holds the most of its prompt
+(multi-turn chats return to the replica that has their history), unless that replica has
+max_num_seqs more live requests than the least loaded one; with no cached prefix anywhere, to the
+replica with the fewest live requests, the earlier one on a tie. `step()` steps every replica that has work, one after another: each engine's step returns
 once its next step is dispatched (runtime/engine.py, lookahead), so every replica's device computes
 while the host serves the others.
 
@@ -76,18 +78,21 @@ class ReplicatedEngine:
     # -- requests in ----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, **kwargs) -> str:
-        """Engine.add_request on the least loaded replica."""
+        """Engine.add_request on the replica `_route` picks."""
         request_id = self._new_id(request_id)
-        engine = self._least_loaded()
-        engine.add_request(prompt, params, request_id=request_id, **kwargs)
+        text, prompt_ids = self.prepare_prompt(prompt)
+        engine = self._route(prompt_ids, kwargs.get("cache_salt"))
+        if text is not None:  # tokenized here, for the route: the engine gets the ids
+            kwargs["prompt_text"] = text
+        engine.add_request(prompt_ids, params, request_id=request_id, **kwargs)
         self._where[request_id] = engine
         return request_id
 
     def enqueue_checked(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                         **kwargs) -> str:
-        """Engine.enqueue_checked on the least loaded replica."""
+        """Engine.enqueue_checked on the replica `_route` picks."""
         request_id = self._new_id(request_id)
-        engine = self._least_loaded()
+        engine = self._route(prompt_ids, kwargs.get("cache_salt"))
         engine.enqueue_checked(prompt_ids, params, request_id=request_id, **kwargs)
         self._where[request_id] = engine
         return request_id
@@ -117,8 +122,14 @@ class ReplicatedEngine:
             raise ValueError(f"request id {request_id!r} is already live")
         return request_id
 
-    def _least_loaded(self) -> Engine:
-        return min(self.replicas, key=lambda e: e.num_live_requests())
+    def _route(self, prompt_ids: Sequence[int], cache_salt: str | None) -> Engine:
+        loads = [e.num_live_requests() for e in self.replicas]
+        limit = min(loads) + self.config.max_num_seqs
+        cached = [e.cached_prefix_tokens(prompt_ids, cache_salt) if load < limit else 0
+                  for e, load in zip(self.replicas, loads)]
+        # the longest cached prefix; among equals (none cached included), the fewest live requests
+        best = max(range(len(self.replicas)), key=lambda i: (cached[i], -loads[i], -i))
+        return self.replicas[best]
 
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:

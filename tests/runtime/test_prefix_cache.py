@@ -70,6 +70,18 @@ def test_lookup_finds_longest_prefix_but_never_the_whole_prompt():
     c.check_invariants()
 
 
+def test_cached_prefix_pages_counts_what_match_would_find():
+    a, c = make()
+    prompt = [random.randrange(1000) for _ in range(12)]
+    compute(a, c, prompt)
+    diverged = prompt[:5] + [prompt[5] + 1] + prompt[6:]
+    for toks, salt in ((prompt, None), (prompt + [7] * 9, None), (prompt[:9], None), (diverged, None), ([], None),
+                       (prompt, "s")):
+        assert c.cached_prefix_pages(toks, salt) == len(c.match(c.page_hashes(toks, salt), len(toks)))
+    assert [c.cached_prefix_pages(t) for t in (prompt, prompt + [7], diverged)] == [2, 3, 1]
+    assert (c.num_query_tokens, c.num_hit_tokens) == (0, 0)  # counts nothing
+
+
 def test_unreferenced_pages_stay_cached_until_evicted():
     a, c = make(num_pages=4)
     p1 = list(range(100, 108))

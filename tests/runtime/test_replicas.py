@@ -151,3 +151,32 @@ def test_serving_core_reports_every_replicas_capacity(engine2):
     info, cfg = core.model_info, engine2.config
     assert (info.max_num_seqs, info.num_pages) == (2 * cfg.max_num_seqs, 2 * cfg.num_pages)
     assert info.eos_token_ids == engine2.replicas[0].eos_ids and info.vocab_size == VOCAB
+
+
+def test_a_prompt_returns_to_the_replica_that_cached_its_prefix(engine2):
+    """A follow-up prompt (a chat's next turn) goes to the replica whose prefix cache holds its
+    history, even when the least loaded replica is another."""
+    G = engine2.config.page_size
+    rng = np.random.default_rng(6)
+    history = rng.integers(3, VOCAB, 3 * G + 5).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(*ids):
+        finals = {}
+        while engine2.has_unfinished():
+            finals.update({o.request_id: o for o in engine2.step() if o.finished})
+        return [finals[i] for i in ids]
+
+    before = [e.stats().num_requests for e in engine2.replicas]
+    busy = engine2.add_request(rng.integers(3, VOCAB, 20).tolist(), params)  # both idle: replica 0
+    first = engine2.add_request(history, params)  # the less loaded: replica 1
+    run(busy, first)
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [1, 1]
+    assert [e.cached_prefix_tokens(history) for e in engine2.replicas] == [0, 3 * G]
+    # both idle again, so by load alone replica 0 would take the next turn
+    (follow,) = run(engine2.add_request(history + rng.integers(3, VOCAB, 7).tolist(), params))
+    assert follow.num_cached_tokens == 3 * G
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [1, 2]
+    run(engine2.add_request(history, params, cache_salt="tenant"))  # salted: no hit, so the load decides
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [2, 2]
+    check_idle(engine2)
