@@ -179,4 +179,10 @@ def test_a_prompt_returns_to_the_replica_that_cached_its_prefix(engine2):
     assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [1, 2]
     run(engine2.add_request(history, params, cache_salt="tenant"))  # salted: no hit, so the load decides
     assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [2, 2]
+    # the replica with the history max_num_seqs requests busier than the other: the load decides
+    busy = [engine2.replicas[1].add_request(rng.integers(3, VOCAB, 9).tolist(), params)
+            for _ in range(engine2.config.max_num_seqs)]
+    (again,) = run(engine2.add_request(history, params), *busy)[:1]
+    assert again.num_cached_tokens == 0
+    assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [3, 2 + len(busy)]
     check_idle(engine2)
