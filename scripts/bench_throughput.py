@@ -146,7 +146,8 @@ def run_xla(args) -> dict:
         "device": kind if num_devices == 1 else f"{num_devices} x {kind}", "jax": jax.__version__,
         "mesh": {"replica": mesh["replica"], "tensor": mesh["tensor"]},
         "kv_pages_sharding": str(getattr(eng, "replicas", [eng])[0].kv_pages[0].sharding.spec),  # each replica's
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s, "warmup_compile_s": st0.warmup_seconds,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "init_s": init_s,
+        "warmup_compile_s": st0.warmup_seconds,  # EngineConfig.warmup: compiles, and on GPUs each program's first run
         "num_warmup_compiles": st0.num_warmup_compiles, "num_pages": st0.num_total_pages,
         "token_buckets": eng.config.token_bucket_table, "seq_buckets": eng.config.seq_bucket_table,
         **timing_summary(walls, n_out, args.num_prompts * args.input_len), "output_tokens": n_out,
