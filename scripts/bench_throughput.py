@@ -154,7 +154,7 @@ def run_xla(args) -> dict:
         "wrong_length": bad[:5], "repeats": args.repeats,
         "decode_steps": eng.config.decode_steps,
         "gpu_cublas_min_tokens": eng.config.gpu_cublas_min_tokens, "max_model_len": eng.config.max_model_len,
-        "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run
+        "steps": (st2.num_steps - st1.num_steps) / args.repeats,  # per run (every replica's, summed)
         "bursts": (st2.num_bursts - st1.num_bursts) / args.repeats,  # per run, of the steps
         "preemptions": st2.num_preemptions - st1.num_preemptions,  # all runs
         "prefill_tokens": (st2.prefill_tokens - st1.prefill_tokens) / args.repeats,  # per run
