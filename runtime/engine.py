@@ -200,11 +200,10 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,  # default: the tokenizer's (e.g. a generation config's list)
     ) -> None:
         config = config or EngineConfig()
-        if mesh_axis_size(model.mesh, "replica") > 1:
-            raise ValueError(
-                f"an Engine runs on one replica; this model's mesh has {mesh_axis_size(model.mesh, 'replica')} "
-                "(runtime.replicas.make_engine builds one engine per replica)"
-            )
+        replicas = mesh_axis_size(model.mesh, "replica")
+        if replicas > 1:
+            raise ValueError(f"an Engine runs on one replica; this model's mesh has {replicas} "
+                             "(runtime.replicas.make_engine builds one engine per replica)")
         cfg = model.config
         max_len = config.max_model_len or cfg.max_position_embeddings
         config = config.resolve(

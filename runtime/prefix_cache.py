@@ -44,9 +44,12 @@ class PrefixCache:
             raise ValueError(f"{len(token_ids)} tokens fill {len(token_ids) // G} pages of {G}, not {num_pages}")
         parent = hashes[-1] if hashes else self.root_hash(cache_salt)
         for i in range(len(hashes), num_pages):
-            page_tokens = array("q", token_ids[i * G : (i + 1) * G]).tobytes()
-            parent = hashlib.sha256(self._key + parent + page_tokens).digest()
+            parent = self._page_hash(parent, token_ids[i * G : (i + 1) * G])
             hashes.append(parent)
+
+    def _page_hash(self, parent: bytes, page_tokens: Sequence[int]) -> bytes:
+        """The chain hash of a page: its parent's hash and its own tokens, under the process key."""
+        return hashlib.sha256(self._key + parent + array("q", page_tokens).tobytes()).digest()
 
     def page_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         """Chain hashes of every full page of token_ids."""
@@ -77,7 +80,7 @@ class PrefixCache:
         limit = max(len(token_ids) - 1, 0) // G
         parent, n = self.root_hash(cache_salt), 0
         while n < limit:
-            parent = hashlib.sha256(self._key + parent + array("q", token_ids[n * G : (n + 1) * G]).tobytes()).digest()
+            parent = self._page_hash(parent, token_ids[n * G : (n + 1) * G])
             if parent not in self._page_of:
                 break
             n += 1

@@ -33,15 +33,15 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats
 from runtime.llm import RequestOutput
 from runtime.request import SamplingParams
+from sharding.mesh import mesh_axis_size
 
 
 def make_engine(model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
                 eos_token_ids: Sequence[int] | None = None) -> Engine | ReplicatedEngine:
     """The engine for `model`'s mesh: an Engine on one replica, a ReplicatedEngine on several."""
-    views = model.replica_views()
-    if len(views) == 1:
+    if mesh_axis_size(model.mesh, "replica") == 1:
         return Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
-    return ReplicatedEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, views=views)
+    return ReplicatedEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
 
 
 class ReplicatedEngine:
@@ -49,9 +49,9 @@ class ReplicatedEngine:
     async engine use (add_request, abort, step, stats, ...)."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
-                 eos_token_ids: Sequence[int] | None = None, views: list[LoadedModel] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None) -> None:
         config = config or EngineConfig()
-        views = views if views is not None else model.replica_views()
+        views = model.replica_views()
         self.model = model
         self.tokenizer = tokenizer
         seeds = np.random.SeedSequence(config.seed).generate_state(len(views), np.uint32)
@@ -77,16 +77,15 @@ class ReplicatedEngine:
 
     # -- requests in ----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, **kwargs) -> str:
-        """Engine.add_request on the replica `_route` picks."""
+                    request_id: str | None = None, prompt_text: str | None = None, **kwargs) -> str:
+        """Engine.add_request on the replica `_route` picks (the prompt is tokenized and checked once,
+        here: the route reads its ids)."""
+        params = params or SamplingParams()
         request_id = self._new_id(request_id)
         text, prompt_ids = self.prepare_prompt(prompt)
-        engine = self._route(prompt_ids, kwargs.get("cache_salt"))
-        if text is not None:  # tokenized here, for the route: the engine gets the ids
-            kwargs["prompt_text"] = text
-        engine.add_request(prompt_ids, params, request_id=request_id, **kwargs)
-        self._where[request_id] = engine
-        return request_id
+        self.validate(prompt_ids, params, request_id=request_id)
+        return self.enqueue_checked(prompt_ids, params, request_id=request_id,
+                                    prompt_text=text if text is not None else prompt_text, **kwargs)
 
     def enqueue_checked(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                         **kwargs) -> str:
