@@ -32,10 +32,9 @@ from runtime.request import SamplingParams
 from runtime.sampling import history_placeholder
 from sharding.mesh import MeshConfig
 from tests.testing.data import shared_data_dir
-from tests.testing.engine import BASE, check_idle, run_one, run_workload, scaled_dummy
+from tests.testing.engine import BASE, GAP, check_idle, first_near_tie, run_one, run_workload, scaled_dummy
 from tests.testing.greedy import greedy_generate
 
-GAP = 1e-3  # logit differences across batch compositions stay ~1e-5 here (logits have std ~8)
 VOCAB = 512
 
 
@@ -93,14 +92,6 @@ def alone(engine, workload):
         out[rid] = run_one(engine, prompt, replace(params, logprobs=2))
     check_idle(engine)
     return out
-
-
-def first_near_tie(completion) -> int:
-    for j, d in enumerate(completion.logprobs):
-        top = sorted(d.values(), reverse=True)
-        if top[0] - top[1] < GAP:
-            return j
-    return len(completion.token_ids)
 
 
 def assert_matches_alone(alone, results):

@@ -25,10 +25,9 @@ from runtime.request import OUTPUT_DELTA, OUTPUT_FINAL_ONLY, OUTPUT_KINDS, Sampl
 from runtime.tokenizer import load_tokenizer
 from sharding.mesh import MeshConfig
 from tests.testing.data import shared_data_dir
-from tests.testing.engine import BASE, check_idle, run_one
+from tests.testing.engine import BASE, check_idle, first_near_tie, run_one
 
 VOCAB = 512
-GAP = 1e-3  # as in test_engine.py: a greedy token is compared only before the reference's first near-tie
 
 
 def _stories():
@@ -108,14 +107,6 @@ def run_chaos(engine, reqs, seed: int):
         engine.check_invariants()
     check_idle(engine)
     return results, cancelled
-
-
-def first_near_tie(completion) -> int:
-    for j, d in enumerate(completion.logprobs):
-        top = sorted(d.values(), reverse=True)
-        if top[0] - top[1] < GAP:
-            return j
-    return len(completion.token_ids)
 
 
 @pytest.fixture(scope="module")
