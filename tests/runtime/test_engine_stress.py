@@ -30,15 +30,12 @@ from tests.testing.engine import BASE, check_idle, first_near_tie, run_one
 VOCAB = 512
 
 
-def _stories():
-    d = shared_data_dir() / "stories260k"
-    return d / "stories260K.bin", load_tokenizer(d / "tok512.bin")
-
-
 @pytest.fixture(scope="module")
 def stories():
-    path, tok = _stories()
-    return load_model(path, dtype="float32", progress=False), tok
+    """(checkpoint path, model on one device, tokenizer)."""
+    d = shared_data_dir() / "stories260k"
+    path = d / "stories260K.bin"
+    return path, load_model(path, dtype="float32", progress=False), load_tokenizer(d / "tok512.bin")
 
 
 def chaos_workload(seed: int, n: int = 40) -> list:
@@ -113,7 +110,7 @@ def run_chaos(engine, reqs, seed: int):
 def alone(stories):
     """The workload's requests, each run alone in a pool that never preempts; greedy ones with at
     least 2 logprobs (their top-2 gap finds near-ties)."""
-    model, tok = stories
+    _, model, tok = stories
     e = Engine(model, EngineConfig(**BASE), tokenizer=tok)
     try:
         out = {}
@@ -131,9 +128,8 @@ def alone(stories):
 def test_every_feature_at_once_equals_alone(stories, alone, decode_steps, replica):
     if len(jax.devices()) < replica:
         pytest.skip(f"needs {replica} (fake) devices")
-    model, tok = stories
+    path, model, tok = stories
     if replica > 1:
-        path, _ = _stories()
         model = load_model(path, dtype="float32", progress=False, mesh=MeshConfig(replica=replica).make_mesh())
     # One token bucket and one seq bucket: each program variant (sampling features, bursts) compiles once.
     cfg = EngineConfig(**{**BASE, "num_pages": 20, "watermark": 0.0, "decode_steps": decode_steps,
