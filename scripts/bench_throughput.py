@@ -33,8 +33,9 @@ time against the run's span (`result["xla"]["profile"]`; a CPU trace has no devi
 
 `--replica R --tensor T` run xlaserve on a mesh of R x T devices (EngineConfig.mesh: the weights and the
 KV pages split over KV heads on the tensor axis; R engines, one per replica, each with --max-num-seqs
-sequences and its own KV pool: runtime/replicas.py); its floor is then the mesh's, each ceiling (measured on
-the first device) times R x T. HF runs on one GPU whatever the mesh.
+sequences and its own KV pool: runtime/replicas.py); its floor is then one replica's, each ceiling (measured
+on the first device) times T, for the busiest replica's share of the prompts (each replica reads the whole
+weights every decode step). HF runs on one GPU whatever the mesh.
 
 HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
@@ -167,7 +168,8 @@ def run_xla(args) -> dict:
     gc.collect()
     copy_s = copy_bandwidth(args.copy_elems)["copy_bytes_per_s"]
     matmul_s = matmul_flops(args.matmul_size)["matmul_flops_per_s"]
-    res.update(physical_floor(mc, args, copy_s * num_devices, matmul_s * num_devices),
+    tensor = num_devices // mesh["replica"]
+    res.update(physical_floor(mc, args, copy_s * tensor, matmul_s * tensor, replicas=mesh["replica"]),
                device_copy_bytes_per_s=copy_s, device_matmul_flops_per_s=matmul_s)
     return res
 
@@ -216,18 +218,23 @@ def full_gc_pauses():
         gc.callbacks.remove(watch)
 
 
-def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
-    """The least time any engine needs for the workload on this device, from two ceilings measured
-    in the same process: prefill is compute (2 FLOPs per weight per prompt token, the LM head only
-    for each prompt's last token, plus causal attention's QK and PV), at the bf16 matmul rate;
-    each decode step moves the weights it reads and every K/V row of the batch's contexts at copy
-    bandwidth, or computes 2 FLOPs per weight per sequence, whichever takes longer. Sequences
-    decode max_num_seqs at a time (waves), K/V in bf16; the embedding table is not read at decode
-    (B rows gathered) unless tied (the LM head). On a mesh the ceilings are the mesh's, the devices' summed."""
+def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float, replicas: int = 1) -> dict:
+    """The least time any engine needs for the workload, from two ceilings measured in the same
+    process: prefill is compute (2 FLOPs per weight per prompt token, the LM head only for each
+    prompt's last token, plus causal attention's QK and PV), at the bf16 matmul rate; each decode
+    step moves the weights it reads and every K/V row of the batch's contexts at copy bandwidth, or
+    computes 2 FLOPs per weight per sequence, whichever takes longer. Sequences decode max_num_seqs
+    at a time (waves), K/V in bf16; the embedding table is not read at decode (B rows gathered)
+    unless tied (the LM head).
+
+    The ceilings are one replica's (its tensor-parallel devices' summed). With `replicas` R > 1 the
+    prompts split as evenly as they can over R replicas that run at once, and each replica's decode
+    steps read the whole weights for its own rows: the floor is the busiest replica's, not the
+    single-replica floor divided by R (which would count the weights once for all R)."""
     D, V, L = mc.hidden_size, mc.vocab_size, mc.num_layers
     head = V * D
     body = mc.num_params - head * (1 if mc.tie_word_embeddings else 2)  # the layers' weights
-    n, T_in, T_out = args.num_prompts, args.input_len, args.output_len
+    n, T_in, T_out = -(-args.num_prompts // replicas), args.input_len, args.output_len  # the busiest replica's
     attn_prefill = 4 * L * mc.num_heads * mc.head_dim * (T_in * (T_in + 1) / 2)  # QK and PV, causal
     prefill_flops = n * (2 * body * T_in + 2 * head + attn_prefill)
     prefill_s = prefill_flops / matmul_flops_per_s
@@ -243,8 +250,8 @@ def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float)
             decode_s += max(t_mem, t_cmp)
     floor_s = prefill_s + decode_s
     return {"floor_s": floor_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
-            "floor_output_tok_s": n * T_out / floor_s, "copy_bytes_per_s": copy_bytes_per_s,
-            "matmul_flops_per_s": matmul_flops_per_s}
+            "floor_output_tok_s": args.num_prompts * T_out / floor_s, "copy_bytes_per_s": copy_bytes_per_s,
+            "matmul_flops_per_s": matmul_flops_per_s, "floor_replicas": replicas}
 
 
 def run_hf(args) -> dict:
@@ -425,7 +432,8 @@ def main() -> None:
     elif "hf" in result:
         print(f"| HF | failed: {h.get('error')} |")
     if "floor_output_tok_s" in x:
-        mesh = "the mesh's, the devices' summed" if on_mesh else "this device's"
+        mesh = ("each replica's, its devices' summed, for its share of the prompts:" if on_mesh
+                else "this device's")
         print(f"| physical floor ({mesh} copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
               f"{x['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) | {x['device']} | {x['floor_output_tok_s']:,.0f} | - | "
               f"{x['floor_s']:.2f} | prefill {x['floor_prefill_s']:.2f} s + decode {x['floor_decode_s']:.2f} s |")

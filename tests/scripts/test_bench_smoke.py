@@ -68,19 +68,47 @@ def test_bench_throughput_smoke(tmp_path):
 
 
 def test_bench_throughput_mesh_smoke(tmp_path):
-    """--replica / --tensor put xlaserve on a mesh of fake CPU devices; the floor is the mesh's."""
+    """--replica / --tensor put xlaserve on a mesh of fake CPU devices; the floor is one replica's."""
     common = ["--model", "stories260k", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "8", "64", "--seq-buckets",
               "4", "--repeats", "1", "--skip", "hf", "--copy-elems", str(1 << 20), "--matmul-size", "256",
-              "--max-model-len", "64"]
+              "--max-model-len", "64", "--decode-steps", "1"]  # bursts: the smoke test above; here the mesh
     x = _run("bench_throughput.py", *common, "--replica", "2", "--tensor", "2", out=tmp_path / "mesh.json")["xla"]
     assert x["mesh"] == {"replica": 2, "tensor": 2} and x["device"].startswith("4 x ")
     assert "tensor" in x["kv_pages_sharding"]  # KV heads split over the tensor axis
     assert x["output_tokens"] == 4 * 8 and x["wrong_length"] == [] and x["compiles_after_warmup"] == 0
-    # the floor takes the four devices' ceilings together
-    assert x["copy_bytes_per_s"] == 4 * x["device_copy_bytes_per_s"] > 0
-    assert x["matmul_flops_per_s"] == 4 * x["device_matmul_flops_per_s"] > 0
+    # the floor takes one replica's two tensor devices' ceilings together, for its half of the prompts
+    assert x["copy_bytes_per_s"] == 2 * x["device_copy_bytes_per_s"] > 0
+    assert x["matmul_flops_per_s"] == 2 * x["device_matmul_flops_per_s"] > 0
+    assert x["floor_replicas"] == 2
     assert _positive(x["floor_s"]) and x["floor_s"] < x["wall_s"]
+
+
+def test_replicas_floor_reads_the_weights_on_every_replica():
+    """R replicas at once: the busiest replica's floor on its own ceilings, its decode steps reading the
+    whole weights; less than one replica's time for all the prompts, more than that time over R."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_throughput import physical_floor
+
+    from models.config import get_preset
+
+    mc = get_preset("llama3_2_1b")
+    work = dict(input_len=512, output_len=256, max_num_seqs=256)
+    copy, mm = 4.2e12, 7.0e14
+    one = physical_floor(mc, argparse.Namespace(num_prompts=256, **work), copy, mm)
+    two = physical_floor(mc, argparse.Namespace(num_prompts=256, **work), copy, mm, replicas=2)
+    half = physical_floor(mc, argparse.Namespace(num_prompts=128, **work), copy, mm)
+    assert two["floor_s"] == half["floor_s"] and two["floor_output_tok_s"] == 2 * half["floor_output_tok_s"]
+    assert one["floor_s"] / 2 < two["floor_s"] < one["floor_s"]
+    # prefill is compute, split evenly; decode is not: 128 rows a step still read every weight
+    assert math.isclose(two["floor_prefill_s"], one["floor_prefill_s"] / 2)
+    assert two["floor_decode_s"] > one["floor_decode_s"] / 2 * 1.2
+    # an odd count: the busiest replica takes the extra prompt
+    odd = physical_floor(mc, argparse.Namespace(num_prompts=5, **work), copy, mm, replicas=2)
+    three = physical_floor(mc, argparse.Namespace(num_prompts=3, **work), copy, mm)
+    assert odd["floor_s"] == three["floor_s"] and odd["floor_output_tok_s"] == 5 * 256 / three["floor_s"]
 
 
 def test_bench_host_smoke(tmp_path):
