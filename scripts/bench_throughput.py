@@ -168,8 +168,8 @@ def run_xla(args) -> dict:
     gc.collect()
     copy_s = copy_bandwidth(args.copy_elems)["copy_bytes_per_s"]
     matmul_s = matmul_flops(args.matmul_size)["matmul_flops_per_s"]
-    tensor = num_devices // mesh["replica"]
-    res.update(physical_floor(mc, args, copy_s * tensor, matmul_s * tensor, replicas=mesh["replica"]),
+    replica_devices = num_devices // mesh["replica"]
+    res.update(physical_floor(mc, args, copy_s * replica_devices, matmul_s * replica_devices, replicas=mesh["replica"]),
                device_copy_bytes_per_s=copy_s, device_matmul_flops_per_s=matmul_s)
     return res
 
@@ -227,7 +227,7 @@ def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float,
     at a time (waves), K/V in bf16; the embedding table is not read at decode (B rows gathered)
     unless tied (the LM head).
 
-    The ceilings are one replica's (its tensor-parallel devices' summed). With `replicas` R > 1 the
+    The ceilings are one replica's (its devices' summed). With `replicas` R > 1 the
     prompts split as evenly as they can over R replicas that run at once, and each replica's decode
     steps read the whole weights for its own rows: the floor is the busiest replica's, not the
     single-replica floor divided by R (which would count the weights once for all R)."""

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' helpers, imported by the tests below
 
 
 def _run(script: str, *args: str, out: Path) -> dict:
@@ -89,25 +90,24 @@ def test_replicas_floor_reads_the_weights_on_every_replica():
     whole weights; less than one replica's time for all the prompts, more than that time over R."""
     import argparse
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_throughput import physical_floor
 
     from models.config import get_preset
 
     mc = get_preset("llama3_2_1b")
-    work = dict(input_len=512, output_len=256, max_num_seqs=256)
-    copy, mm = 4.2e12, 7.0e14
-    one = physical_floor(mc, argparse.Namespace(num_prompts=256, **work), copy, mm)
-    two = physical_floor(mc, argparse.Namespace(num_prompts=256, **work), copy, mm, replicas=2)
-    half = physical_floor(mc, argparse.Namespace(num_prompts=128, **work), copy, mm)
+
+    def floor(num_prompts: int, replicas: int = 1) -> dict:
+        work = argparse.Namespace(num_prompts=num_prompts, input_len=512, output_len=256, max_num_seqs=256)
+        return physical_floor(mc, work, 4.2e12, 7.0e14, replicas=replicas)
+
+    one, two, half = floor(256), floor(256, replicas=2), floor(128)
     assert two["floor_s"] == half["floor_s"] and two["floor_output_tok_s"] == 2 * half["floor_output_tok_s"]
     assert one["floor_s"] / 2 < two["floor_s"] < one["floor_s"]
     # prefill is compute, split evenly; decode is not: 128 rows a step still read every weight
     assert math.isclose(two["floor_prefill_s"], one["floor_prefill_s"] / 2)
     assert two["floor_decode_s"] > one["floor_decode_s"] / 2 * 1.2
     # an odd count: the busiest replica takes the extra prompt
-    odd = physical_floor(mc, argparse.Namespace(num_prompts=5, **work), copy, mm, replicas=2)
-    three = physical_floor(mc, argparse.Namespace(num_prompts=3, **work), copy, mm)
+    odd, three = floor(5, replicas=2), floor(3)
     assert odd["floor_s"] == three["floor_s"] and odd["floor_output_tok_s"] == 5 * 256 / three["floor_s"]
 
 
@@ -126,7 +126,6 @@ def test_kernel_summary_of_a_device_trace(tmp_path):
     grouped without numeric suffixes, figures per step."""
     import gzip
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     from benchlib import kernel_summary
 
     def meta(kind, pid, name, tid=None):
@@ -154,7 +153,6 @@ def test_kernel_summary_of_a_device_trace(tmp_path):
 
 
 def test_full_gc_pauses_counts_full_collections_in_its_body_only():
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_throughput import full_gc_pauses
 
     callbacks = list(gc.callbacks)
@@ -173,7 +171,6 @@ def test_bench_kernels_ragged_prefill_smoke():
     the reference on a first chunk and on a chunk after context (both through its unmasked loop).
     Rows carry finite positive rates and the kernel's error against the reference; the GPU-only
     peers become rows with an error, not a crash."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_kernels
     from functools import partial
 
