@@ -21,8 +21,10 @@ def _platform(x) -> str:
         return jax.default_backend()
 
 
-# platform -> ragged paged attention kernel; CPU (and any other platform) runs the reference.
+# platform -> ragged paged attention kernel; CPU (and any other platform) runs "xla", the jnp
+# implementation that does only the batch's work (ragged_paged_attention/xla.py).
 _RPA_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
+_JNP_PATHS = ("tpu", "xla", "reference")  # attention implementations whose KV write and norms are jnp
 
 
 def select_attention_impl(platform: str, head_dim: int) -> str:
@@ -30,11 +32,11 @@ def select_attention_impl(platform: str, head_dim: int) -> str:
 
     Models resolve this once, from their mesh, rather than per call from the default backend: a
     model placed on CPU devices of a GPU host must not trace a GPU kernel. Head dims the kernels
-    don't tile (the GPU kernel needs a power of two >= 16, e.g. stories260K's H=8 is not) run the
-    reference, which XLA compiles for any backend."""
-    impl = _RPA_BY_PLATFORM.get(platform, "reference")
+    don't tile (the GPU kernel needs a power of two >= 16, e.g. stories260K's H=8 is not) run "xla",
+    which XLA compiles for any backend."""
+    impl = _RPA_BY_PLATFORM.get(platform, "xla")
     if impl == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
-        return "reference"
+        return "xla"
     return impl
 
 
@@ -42,10 +44,11 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            sliding_window=None, soft_cap=None, implementation: str = "auto"):
     """Attention of a ragged token batch over paged KV. See ragged_paged_attention/reference.py.
 
-    implementation: "auto" (the Mosaic TPU kernel on TPU, the Triton kernel on NVIDIA GPUs, the
-    pure-jnp reference elsewhere, by the platform of q), "tpu", "gpu" or "reference"."""
+    implementation: "auto" (the Mosaic TPU kernel on TPU, the Triton kernel on NVIDIA GPUs, "xla"
+    elsewhere, by the platform of q), "tpu", "gpu", "xla" (jnp, only the batch's work) or
+    "reference" (the oracle, whose work grows with the page table's width)."""
     if implementation == "auto":
-        implementation = _RPA_BY_PLATFORM.get(_platform(q), "reference")
+        implementation = _RPA_BY_PLATFORM.get(_platform(q), "xla")
     if implementation == "reference":
         return _rpa.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                sm_scale=sm_scale, sliding_window=sliding_window,
@@ -63,16 +66,16 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
 
     implementation: the one the model resolved for attention (select_attention_impl), so the write
     runs where the cache lives: "gpu" -> one Pallas Triton launch (ragged_paged_attention/gpu_write.py)
-    where XLA would run RoPE and the K/V interleave as two fusions before a write; "tpu" and
+    where XLA would run RoPE and the K/V interleave as two fusions before a write; "tpu", "xla" and
     "reference" -> the jnp RoPE and one XLA scatter of the step's T rows (ref_write_qkv). "auto"
     picks by the platform of kv_pages and its head dim, as select_attention_impl does."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
     if implementation == "gpu":
         return _rpa_write.write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
-    if implementation in ("tpu", "reference"):
+    if implementation in _JNP_PATHS:
         return _rpa.ref_write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs)
-    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
+    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', {', '.join(map(repr, _JNP_PATHS))}")
 
 
 def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
@@ -86,7 +89,8 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
 
     implementation: as write_qkv's. "gpu" with decode_only -> one Pallas Triton launch that takes
     each token's own key from the projection and writes it (ragged_paged_attention/gpu.py,
-    write_qkv_attention); otherwise the two calls (two launches on GPU)."""
+    write_qkv_attention); otherwise the two calls (two launches on GPU; "xla" with decode_only takes
+    the queries one at a time, the tile no decode fills more of)."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
     if decode_only and decode_attention_is_fused(implementation):
@@ -96,6 +100,11 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
         qkv = qkv.sum(axis=0).astype(kv_pages.dtype)
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                             implementation=implementation)
+    if implementation == "xla":
+        bs = _rpa.xla.default_block_sizes(q, kv_pages, page_indices, decode_only=decode_only)
+        return _rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                           block_sizes=bs, implementation="xla"), kv_pages
     return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
                                   implementation=implementation), kv_pages
@@ -113,15 +122,15 @@ def add_rms_norm(x, r, scale, *, eps: float, implementation: str = "auto") -> tu
     be f32[P, T, D] partial products (gemv_partials): their sum, rounded to r's dtype, is added.
 
     implementation: the one the model resolved for attention (select_attention_impl): "gpu" -> one
-    Pallas Triton launch (rms_norm/gpu.py) where XLA runs two; "tpu" and "reference" -> jnp
+    Pallas Triton launch (rms_norm/gpu.py) where XLA runs two; "tpu", "xla" and "reference" -> jnp
     (ref_add_rms_norm). "auto" picks by the platform of r."""
     if implementation == "auto":
-        implementation = _RPA_BY_PLATFORM.get(_platform(r), "reference")
+        implementation = _RPA_BY_PLATFORM.get(_platform(r), "xla")
     if implementation == "gpu":
         return _rms_norm.add_rms_norm(x, r, scale, eps=eps)
-    if implementation in ("tpu", "reference"):
+    if implementation in _JNP_PATHS:
         return _rms_norm.ref_add_rms_norm(x, r, scale, eps=eps)
-    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', 'tpu', 'reference'")
+    raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', {', '.join(map(repr, _JNP_PATHS))}")
 
 
 def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = None,

@@ -1,9 +1,10 @@
 """Ragged paged attention over a paged KV cache (mixed prefill chunks and decodes in one batch).
 
 `ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-sliding_window=None, soft_cap=None, block_sizes=None, implementation="auto", interpret=False)`
-runs the TPU (Mosaic) or GPU (Triton) kernel; `ref_ragged_paged_attention` is the pure-jnp oracle
-and CPU path. The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu_write.write_kv_pages`
+sliding_window=None, soft_cap=None, block_sizes=None, implementation, interpret=False)`
+runs the TPU (Mosaic) or GPU (Triton) kernel, or "xla": plain jnp doing only the batch's work
+(xla.py), the path where no kernel runs (CPU); `ref_ragged_paged_attention` is the pure-jnp oracle.
+The step's KV write: `ref_write_kv_pages` (an XLA scatter) and `gpu_write.write_kv_pages`
 (Triton), both placing tokens at `kv_write_slots`; `ref_write_qkv` and `gpu_write.write_qkv` do the same from the
 merged QKV projection, with RoPE on q and k on the way (one launch on GPU). Contract and KV layout: reference.py. Model
 code calls pallas_kernels.dispatch.
@@ -11,7 +12,7 @@ code calls pallas_kernels.dispatch.
 
 from __future__ import annotations
 
-from pallas_kernels.ragged_paged_attention import gpu, tpu
+from pallas_kernels.ragged_paged_attention import gpu, tpu, xla
 from pallas_kernels.ragged_paged_attention.common import (
     BlockSizes,
     validate_inputs,
@@ -28,15 +29,20 @@ from pallas_kernels.ragged_paged_attention.reference import (
     split_qkv,
 )
 
-IMPLEMENTATIONS = ("tpu", "gpu")
+IMPLEMENTATIONS = ("tpu", "gpu", "xla")
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, block_sizes: BlockSizes | None = None,
                            implementation: str, interpret=False):
-    """The Pallas kernel named by `implementation` ("tpu" or "gpu"); see reference.py for the contract."""
+    """The implementation named by `implementation`: the Pallas kernel ("tpu", "gpu") or the jnp
+    one ("xla"; `interpret` does not apply); see reference.py for the contract."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    if implementation == "xla":
+        return xla.xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                              sm_scale=sm_scale, sliding_window=sliding_window,
+                                              soft_cap=soft_cap, block_sizes=block_sizes)
     kernel = tpu.ragged_paged_attention if implementation == "tpu" else gpu.ragged_paged_attention
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, block_sizes=block_sizes,

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import (
     BlockSizes, gpu, ragged_paged_attention, ref_cost_estimate, ref_ragged_paged_attention,
-    ref_write_kv_pages, ref_write_qkv, tpu, validate_inputs)
+    ref_write_kv_pages, ref_write_qkv, tpu, validate_inputs, xla)
 from tests.testing.partials import exact_partials
 from tests.tolerances import tol
 
@@ -344,7 +344,7 @@ def test_gpu_kernel_lowers_for_cuda():
 
 def test_op_by_implementation_name():
     args, ref, n = case_inputs("mixed", "float32")
-    for impl in ("tpu", "gpu"):
+    for impl in ("tpu", "gpu", "xla"):
         out = ragged_paged_attention(*args, **_opts(BASE), implementation=impl, interpret=True)
         np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], *tol(jnp.float32)[::-1])
     with pytest.raises(ValueError, match="implementation='cuda'"):
@@ -361,6 +361,65 @@ def test_f32_queries_over_bf16_cache(impl):
     out = ragged_paged_attention(*args, **_opts(BASE), implementation=impl, interpret=True)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], *tol(jnp.bfloat16)[::-1])
+
+
+# ---- "xla": jnp that does only the batch's work (the CPU path) -------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_xla_impl(case, dtype):
+    check_kernel(xla.xla_ragged_paged_attention, case, dtype)
+
+
+@pytest.mark.parametrize("q_tokens,kv_pages", [(1, 1), (4, 2), (16, 8), (64, 3)])
+@pytest.mark.parametrize("case", ["mixed", "page_boundary", "empty_q_seq", "sliding_window", "window_cap_page64"])
+def test_xla_impl_tiles(case, q_tokens, kv_pages):
+    """Any tile and key block give the reference's output: tiles of one token, tiles wider than any
+    sequence's chunk (64 > T = 46 clamps to T), key blocks of one page, of several, of a count that
+    does not divide the page table."""
+    run = functools.partial(xla.xla_ragged_paged_attention,
+                            block_sizes=BlockSizes(q_tokens_per_block=q_tokens, kv_pages_per_block=kv_pages))
+    check_kernel(run, case, jnp.float32)
+
+
+def test_xla_impl_is_batch_invariant():
+    """A sequence's outputs are bit-identical alone and beside other sequences, wherever its tokens
+    fall in the tiles (for given tile and block sizes: their widths change the dots' blocking, as a
+    bucket's T changes the model's matmuls; tests/testing/engine.py, GAP)."""
+    args, _, n = case_inputs("mixed", "float32")
+    q, kv, kv_lens, pi, cu, _ = args
+    shape, batch = CASES["mixed"]
+    opts = _opts(shape)
+    together = np.asarray(xla.xla_ragged_paged_attention(
+        *args, **opts, block_sizes=BlockSizes(q_tokens_per_block=3, kv_pages_per_block=1)))
+    for s, q_len in enumerate(batch.q_lens):
+        start = int(cu[s])
+        alone = xla.xla_ragged_paged_attention(
+            q[start:start + q_len], kv, kv_lens[s:s + 1], pi[s:s + 1], jnp.asarray([0, q_len], jnp.int32),
+            jnp.asarray([1], jnp.int32), **opts,
+            block_sizes=BlockSizes(q_tokens_per_block=3, kv_pages_per_block=1))
+        np.testing.assert_array_equal(np.asarray(alone), together[start:start + q_len])
+
+
+def test_xla_impl_skips_keys_no_token_sees():
+    """The work follows the batch: keys past every sequence's length are never read (poisoned pages
+    beyond kv_len cannot leak even through a 0 * NaN), and a sliding window starts at its block."""
+    args, ref, n = case_inputs("sliding_window", "float32")
+    out = xla.xla_ragged_paged_attention(*args, **_opts(SHAPES["sliding_window"]),
+                                         block_sizes=BlockSizes(q_tokens_per_block=2, kv_pages_per_block=1))
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], *tol(jnp.float32)[::-1])
+    text = jax.jit(functools.partial(xla.xla_ragged_paged_attention, **_opts(BASE))).lower(
+        *case_inputs("mixed", "float32")[0]).as_text()
+    assert text.count("stablehlo.while") >= 2  # items and key blocks: loops to traced bounds
+
+
+def test_xla_default_block_sizes():
+    q = jnp.zeros((128, 8, 64))
+    kv = jnp.zeros((64, 16, 4, 64))
+    assert xla.default_block_sizes(q, kv, jnp.zeros((8, 32), jnp.int32)) == BlockSizes(16, 16)
+    assert xla.default_block_sizes(q[:16], kv, jnp.zeros((8, 32), jnp.int32)).q_tokens_per_block == 1
+    assert xla.default_block_sizes(q, kv, jnp.zeros((8, 32), jnp.int32), decode_only=True).q_tokens_per_block == 1
+    assert xla.default_block_sizes(q, kv, jnp.zeros((1, 4), jnp.int32)).kv_pages_per_block == 4  # the table's width
 
 
 # ---- reference and dispatch -----------------------------------------------------------------------
@@ -381,11 +440,17 @@ def test_reference_is_causal_attention():
                 np.testing.assert_allclose(ref[t, n], w @ v / w.sum(), atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_on_cpu_runs_reference():
+def test_dispatch_on_cpu_runs_xla():
     args, ref, n = case_inputs("mixed", "bfloat16")
     out = jax.jit(functools.partial(dispatch.ragged_paged_attention, **_opts(BASE)))(*args)
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32))[:n], ref[:n])
+    want = xla.xla_ragged_paged_attention(*args, **_opts(BASE))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:n], ref[:n], *tol(jnp.bfloat16)[::-1])
+    oracle = dispatch.ragged_paged_attention(*args, **_opts(BASE), implementation="reference")
+    np.testing.assert_array_equal(np.asarray(oracle.astype(jnp.float32))[:n], ref[:n])
     assert dispatch._platform(args[0]) == "cpu"
+    assert dispatch.select_attention_impl("cpu", 64) == "xla"
+    assert dispatch.select_attention_impl("gpu", 8) == "xla"  # head dims the Triton kernel does not tile
     with pytest.raises(ValueError, match="implementation"):
         dispatch.ragged_paged_attention(*args, **_opts(BASE), implementation="cuda")
 
