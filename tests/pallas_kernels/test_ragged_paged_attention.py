@@ -416,10 +416,10 @@ def test_xla_impl_skips_keys_no_token_sees():
 def test_xla_default_block_sizes():
     q = jnp.zeros((128, 8, 64))
     kv = jnp.zeros((64, 16, 4, 64))
-    assert xla.default_block_sizes(q, kv, jnp.zeros((8, 32), jnp.int32)) == BlockSizes(16, 16)
+    assert xla.default_block_sizes(q, kv, jnp.zeros((8, 32), jnp.int32)) == BlockSizes(16, 4)  # 64 keys
     assert xla.default_block_sizes(q[:16], kv, jnp.zeros((8, 32), jnp.int32)).q_tokens_per_block == 1
     assert xla.default_block_sizes(q, kv, jnp.zeros((8, 32), jnp.int32), decode_only=True).q_tokens_per_block == 1
-    assert xla.default_block_sizes(q, kv, jnp.zeros((1, 4), jnp.int32)).kv_pages_per_block == 4  # the table's width
+    assert xla.default_block_sizes(q, kv, jnp.zeros((1, 2), jnp.int32)).kv_pages_per_block == 2  # the table's width
 
 
 # ---- reference and dispatch -----------------------------------------------------------------------
