@@ -1,4 +1,5 @@
-"""Pure-jnp ragged paged attention: the CPU path and the oracle every kernel is tested against.
+"""Pure-jnp ragged paged attention: the oracle every implementation is tested against (the CPU runs
+xla.py, which does only the batch's work; this attends every token to the whole page table).
 
 KV layout (one array per layer):  kv_pages: [P, G, 2K, H]
   P pages of G tokens; along the third axis, index 2k holds K of KV head k and 2k+1 its V, so a

@@ -1,4 +1,4 @@
-"""The model through the dispatcher: CPU (pure-jnp reference attention) and GPU (Pallas kernels) give
+"""The model through the dispatcher: CPU (pure-jnp attention, "xla") and GPU (Pallas kernels) give
 identical greedy output. Run on a GPU host with JAX_PLATFORMS=cuda,cpu so both backends exist."""
 
 import jax
@@ -23,11 +23,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.mark.parametrize("case", ["llama3_rope_scaling", "qwen3_qk_norm", "mistral_sliding_window", "qwen2_qkv_bias"])
-def test_greedy_identical_cpu_reference_and_gpu_kernels(case, tmp_path):
+def test_greedy_identical_cpu_and_gpu_kernels(case, tmp_path):
     make_hf_checkpoint(case, tmp_path)
     cpu = load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices("cpu")), dtype="float32", progress=False)
     gpu = load_model(tmp_path, mesh=MeshConfig().make_mesh(_devices("gpu")), dtype="float32", progress=False)
-    assert (cpu.attn_impl, gpu.attn_impl) == ("reference", "gpu")
+    assert (cpu.attn_impl, gpu.attn_impl) == ("xla", "gpu")
     prompt = np.random.default_rng(1).integers(0, BASE["vocab_size"], PROMPT_LEN).tolist()
     ref, got = greedy_generate(cpu, prompt, 32), greedy_generate(gpu, prompt, 32)
     assert got.tokens == ref.tokens
@@ -38,7 +38,7 @@ def test_greedy_identical_cpu_reference_and_gpu_kernels(case, tmp_path):
     np.testing.assert_allclose(fused.step_logits, got.step_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_gpu_kernels_no_less_accurate_than_cpu_reference(tmp_path):
+def test_bf16_gpu_kernels_no_less_accurate_than_cpu(tmp_path):
     # bf16 logits differ between backends by bf16 rounding alone (0.2 on O(1) logits was seen), so
     # compare each backend's error against the f32 result: the kernels must not add error.
     make_hf_checkpoint("llama3_rope_scaling", tmp_path)
