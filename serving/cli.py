@@ -164,6 +164,9 @@ def cmd_generate(args) -> int:
     from runtime.tokenizer import load_tokenizer
     from sharding.mesh import MeshConfig
 
+    # checked before the model loads: a bad flag fails in a moment, not after the load
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens)
     mesh = MeshConfig(tensor=args.tensor)
     loaded = load_model(args.model or str(default_model_path()), mesh=mesh.make_mesh(), dtype=args.dtype,
                         progress=not args.json)
@@ -190,8 +193,6 @@ def cmd_generate(args) -> int:
     llm = LLM(loaded, tokenizer=tok, mesh=mesh, max_num_seqs=1, max_num_batched_tokens=chunk,
               token_buckets=tuple(sorted({16, chunk})), seq_buckets=(1,), max_model_len=_bucket(total),
               seed=args.seed, progress=not args.json, decode_steps=1)  # (bursts: 3 more programs to compile)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
     out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     res = out.outputs[0]
     text = res.text if tok is not None else ""

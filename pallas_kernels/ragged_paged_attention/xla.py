@@ -110,7 +110,7 @@ def _attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
             logits = jnp.einsum("tkrh,bkh->tkrb", qi, kv[:, :, 0], precision=_HIGHEST) * sm_scale
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
-            mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len)
+            mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])  # a real row's q_pos < kv_len
             if sliding_window is not None:
                 mask &= pos[None, :] > q_pos[:, None] - sliding_window
             logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)

@@ -43,6 +43,9 @@ def test_generate_text_prompt_and_convert_roundtrip(tmp_path):
     (["generate", "--model", "stories260k", "--prompt-ids", "1,99999"], "outside the vocabulary [0, 512)"),
     (["generate", "--model", "stories260k", "--prompt-ids", "1", "--max-tokens", "600"], "exceeds the model's context of 512"),
     (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
+    # sampling flags are checked before the model loads (this one does not exist)
+    (["generate", "--model", "/no/such/model", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    (["generate", "--model", "/no/such/model", "--max-tokens", "0"], "max_tokens"),
 ])
 def test_bad_input_gives_one_clear_line(args, message):
     r = xlaserve(*args)
