@@ -32,11 +32,12 @@ def select_attention_impl(platform: str, head_dim: int) -> str:
 
     Models resolve this once, from their mesh, rather than per call from the default backend: a
     model placed on CPU devices of a GPU host must not trace a GPU kernel. Head dims the kernels
-    don't tile (the GPU kernel needs a power of two >= 16, e.g. stories260K's H=8 is not) run "xla",
-    which XLA compiles for any backend."""
+    don't tile (the GPU kernel needs a power of two >= 16, e.g. stories260K's H=8 is not) run the
+    reference, which XLA compiles for any backend, not "xla": XLA's GPU runtime would copy the predicate
+    of each of its loops (trip counts known only at run time) to the host every iteration."""
     impl = _RPA_BY_PLATFORM.get(platform, "xla")
     if impl == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
-        return "xla"
+        return "reference"
     return impl
 
 

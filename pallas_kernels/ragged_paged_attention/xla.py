@@ -1,6 +1,8 @@
-"""Ragged paged attention in plain jnp that does only the work the batch holds: the path wherever no
-Pallas kernel runs (CPU; GPU head dims the Triton kernel does not tile). Same contract as
-reference.ref_ragged_paged_attention.
+"""Ragged paged attention in plain jnp that does only the work the batch holds: the CPU's (and any
+platform's without a Pallas kernel). Same contract as reference.ref_ragged_paged_attention. Not for
+GPUs: its loops run to traced bounds, and XLA's GPU runtime copies such a loop's predicate to the host
+every iteration (tests/runtime/test_step.py); GPU head dims the Triton kernel does not tile run the
+reference.
 
 Why not the reference: the oracle attends every token of the batch to all P_max * G slots of the
 page table once per sequence row, so its cost grows with S * T * max_model_len whatever the batch
@@ -66,14 +68,16 @@ def xla_ragged_paged_attention(
     validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
     bs = block_sizes or default_block_sizes(q, kv_pages, page_indices)
-    return _attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
+    return _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
                       sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
                       q_tile=min(bs.q_tokens_per_block, q.shape[0]),
                       pages_per_block=min(bs.kv_pages_per_block, page_indices.shape[1]))
 
 
+# The name marks its loops in a program's HLO (op_name ".../jit(_xla_attention)/while"), the only ones
+# of a step program allowed a trip count known only at run time (tests/runtime/test_step.py).
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_tile", "pages_per_block"))
-def _attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap,
+def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap,
                q_tile, pages_per_block):
     T, N, H = q.shape
     _, G, K2, _ = kv_pages.shape

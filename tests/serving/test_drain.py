@@ -19,12 +19,14 @@ from tests.serving.conftest import CHAT_TEMPLATE, ENGINE_SETTINGS, MODEL_NAME
 from tests.testing.data import REPO_ROOT
 
 DRAIN_TIMEOUT = 30.0
+STATUS_LINE = re.compile(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s")
 
 
-def _read_ports(proc: subprocess.Popen, log: list[str], draining: threading.Event, timeout: float = 180.0) -> int:
+def _read_ports(proc: subprocess.Popen, log: list[str], draining: threading.Event, timeout: float = 180.0,
+                status: threading.Event | None = None) -> int:
     """Read the server's stderr until it reports ready; returns the HTTP port. A reader thread
-    keeps collecting lines afterwards (so the pipe never fills) and sets `draining` when the
-    server says it started draining."""
+    keeps collecting lines afterwards (so the pipe never fills), sets `draining` when the server
+    says it started draining and `status` at its first status line."""
     ready = threading.Event()
     port: list[int] = []
 
@@ -37,8 +39,12 @@ def _read_ports(proc: subprocess.Popen, log: list[str], draining: threading.Even
                 ready.set()
             if "signal received: draining" in line:
                 draining.set()
+            if status is not None and STATUS_LINE.search(line):
+                status.set()
         ready.set()
         draining.set()
+        if status is not None:
+            status.set()
 
     threading.Thread(target=reader, daemon=True).start()
     assert ready.wait(timeout) and port, "server did not become ready:\n" + "".join(log[-30:])
@@ -59,8 +65,10 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
                             cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log: list[str] = []
     try:
-        draining = threading.Event()
-        port = _read_ports(proc, log, draining)
+        draining, status = threading.Event(), threading.Event()
+        port = _read_ports(proc, log, draining, status=status)
+        # the periodic status line (every 0.5 s, idle too): the streams below may end sooner than that
+        assert status.wait(30), "no status line:\n" + "".join(log[-30:])
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/health").status_code == 200
         results: dict[int, list] = {}
@@ -110,7 +118,7 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
         assert usage["usage"]["completion_tokens"] == 200 + i and not usage["choices"]
     text = "".join(log)
     assert "draining" in text and "stopped (0 requests aborted" in text
-    assert re.search(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s", text)
+    assert STATUS_LINE.search(text)
 
 
 def test_health_during_warmup_and_sigterm_while_loading(stories_path):
