@@ -102,10 +102,9 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     q, kv_pages = write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                             implementation=implementation)
     if implementation == "xla":
-        bs = _rpa.xla.default_block_sizes(q, kv_pages, page_indices, decode_only=decode_only)
-        return _rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                           block_sizes=bs, implementation="xla"), kv_pages
+        return _rpa.xla.xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                   sm_scale=sm_scale, sliding_window=sliding_window,
+                                                   soft_cap=soft_cap, decode_only=decode_only), kv_pages
     return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
                                   implementation=implementation), kv_pages

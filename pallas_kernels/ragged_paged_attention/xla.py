@@ -7,7 +7,7 @@ reference.
 Why not the reference: the oracle attends every token of the batch to all P_max * G slots of the
 page table once per sequence row, so its cost grows with S * T * max_model_len whatever the batch
 holds. Serving SmolLM2-135M on this workplace's 2-core CPU (configs/serve_cpu.yaml: max_model_len
-2048, 8 sequences) spent ~80% of a decode step of ~480 ms there (docs/benchmarks.md, "CPU serving").
+2048, 8 sequences) spent ~80% of a decode step of 428 ms there (docs/benchmarks.md, "CPU serving").
 
 How: work items, each a tile of `q_tokens_per_block` consecutive query tokens of one sequence; an
 item walks only the key blocks (`kv_pages_per_block` pages) its causal window, and a sliding window's
@@ -61,24 +61,25 @@ def xla_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H], q.dtype
     """Attention of the ragged batch over paged KV (see the module docstring). block_sizes: its
     q_tokens_per_block and kv_pages_per_block are the tile and key block (the other fields are the
-    kernels'); None: default_block_sizes."""
+    kernels'); None: default_block_sizes, told `decode_only` (at most one token a sequence)."""
     validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
-    bs = block_sizes or default_block_sizes(q, kv_pages, page_indices)
+    bs = block_sizes or default_block_sizes(q, kv_pages, page_indices, decode_only=decode_only)
     return _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
-                      sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-                      q_tile=min(bs.q_tokens_per_block, q.shape[0]),
-                      pages_per_block=min(bs.kv_pages_per_block, page_indices.shape[1]))
+                          sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
+                          q_tile=min(bs.q_tokens_per_block, q.shape[0]),
+                          pages_per_block=min(bs.kv_pages_per_block, page_indices.shape[1]))
 
 
 # The name marks its loops in a program's HLO (op_name ".../jit(_xla_attention)/while"), the only ones
 # of a step program allowed a trip count known only at run time (tests/runtime/test_step.py).
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_tile", "pages_per_block"))
 def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap,
-               q_tile, pages_per_block):
+                   q_tile, pages_per_block):
     T, N, H = q.shape
     _, G, K2, _ = kv_pages.shape
     K, R = K2 // 2, N // (K2 // 2)
