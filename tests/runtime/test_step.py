@@ -416,15 +416,16 @@ def test_step_programs_never_wait_for_the_device(tiny_model, executor):
     loop has a trip count known at compile time (threefry's rounds, the burst's steps) but the CPU
     attention's (ragged_paged_attention/xla.py, which GPUs never run: dispatch.select_attention_impl)."""
     ex, _, _ = executor
-    assert tiny_model.attn_impl == "xla"
+    on_cpu = tiny_model.attn_impl == "xla"  # on a GPU host the model (head dim 8) runs the reference
+    assert tiny_model.attn_impl in ("xla", "reference")
     cpu_attention = 0
     for key, exe in ex._executables.items():
         hlo = exe.as_text()
         assert "conditional(" not in hlo, key
         loops = [line for line in hlo.splitlines() if " while(" in line and "known_trip_count" not in line]
-        assert all("jit(_xla_attention)" in line for line in loops), key
+        assert all(on_cpu and "jit(_xla_attention)" in line for line in loops), key
         cpu_attention += len(loops)
-    assert cpu_attention  # the model programs hold the CPU attention's loops (the check above is not vacuous)
+    assert bool(cpu_attention) == on_cpu  # the CPU's model programs hold its attention's loops (not vacuous)
 
 
 def _compile_options_seen(monkeypatch) -> list:
