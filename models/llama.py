@@ -36,6 +36,14 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def _dot(spec: str, x, w, *, precision, gemm_impl: str):
+    """jnp.einsum(spec, x, w) in x's dtype; where the model's GEMMs run on CPUs
+    (dispatch.f32_dot_outputs), the dot returns f32, rounded once to x's dtype after."""
+    if dispatch.f32_dot_outputs(gemm_impl):
+        return jnp.einsum(spec, x, w, precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum(spec, x, w, precision=precision)
+
+
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
     init = init or nnx.initializers.normal(0.02)
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
@@ -92,7 +100,7 @@ class Attention(nnx.Module):
         if not (cfg.attention_bias or cfg.qk_norm) and (n := parts("qkv", T, D, D)) > 1:
             qkv = dispatch.gemv_partials(x, w, n, precision=prec)  # summed in the attention kernel
         else:
-            qkv = jnp.einsum("td,dgrh->tgrh", x, w, precision=prec)
+            qkv = _dot("td,dgrh->tgrh", x, w, precision=prec, gemm_impl=self.gemm_impl)
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias[...].astype(dt)
         if cfg.qk_norm:
@@ -103,7 +111,7 @@ class Attention(nnx.Module):
         o, w = o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D)
         if (n := parts("o", T, o.shape[1], D)) > 1:
             return dispatch.gemv_partials(o, w, n, precision=prec), kv_pages  # summed in add_rms_norm
-        return jnp.matmul(o, w, precision=prec), kv_pages
+        return _dot("tk,kd->td", o, w, precision=prec, gemm_impl=self.gemm_impl), kv_pages
 
     def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
@@ -133,7 +141,7 @@ class MLP(nnx.Module):
         w = self.down_proj[...].astype(dt)
         if down_parts > 1:
             return dispatch.gemv_partials(h, w, down_parts, precision=prec)
-        return jnp.matmul(h, w, precision=prec)
+        return _dot("tf,fd->td", h, w, precision=prec, gemm_impl=self.gemm_impl)
 
 
 class DecoderLayer(nnx.Module):

@@ -79,6 +79,20 @@ def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seq
     raise ValueError(f"implementation={implementation!r} must be one of 'auto', 'gpu', {', '.join(map(repr, _JNP_PATHS))}")
 
 
+def kv_pool_dtype(attn_impl: str, dtype):
+    """The KV pool's dtype for a model of compute `dtype` whose attention is `attn_impl`, when the
+    engine is not told one: `dtype`, but float32 for a 16-bit model on the "xla" path (CPUs).
+
+    XLA's CPU backend scatters no 16-bit floats: it converts the whole pool to f32 and back around
+    the step's KV write, every layer, every step (SmolLM2-135M in bf16, 8 sequences: 14.6 output tok/s
+    on this workplace's CPU, a sixth of float32's). An f32 pool takes the write in place. It holds the
+    same values: k and v are rounded to `dtype` before the write (ref_write_qkv), and the attention
+    computes in f32 either way, so the outputs equal those of a 16-bit pool bit for bit, at twice
+    its memory (docs/design.md, "16-bit models on CPUs")."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if attn_impl == "xla" and dtype.itemsize == 2 else dtype
+
+
 def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                         decode_only: bool = False, sliding_window=None, soft_cap=None, implementation: str = "auto"):
     """write_qkv then ragged_paged_attention -> (o [T, K * R, H], kv_pages): a decoder layer's
@@ -142,12 +156,11 @@ def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = N
     implementation: the model's gemm_impl (select_gemm_impl): "mosaic_gpu" (one Hopper GPU, the table whole
     on it) -> one Pallas Triton launch that gathers the rows itself (rms_norm/gpu.py), where XLA runs
     the gather and the norm as two; "reference" -> jnp (on several devices the table may be split
-    over `vocab`, and a custom call would make XLA gather it whole)."""
+    over `vocab`, and a custom call would make XLA gather it whole); "cpu" -> the same jnp."""
     if implementation == "mosaic_gpu":
         return _rms_norm.embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
-    if implementation == "reference":
-        return _rms_norm.ref_embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
-    raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
+    f32_dot_outputs(implementation)  # checks the name
+    return _rms_norm.ref_embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
 
 
 # Batch-1 decode steps of small models on one Hopper GPU run the q/k/v, o and down projections as
@@ -216,15 +229,35 @@ SWIGLU_GEMV_MAX_TOKENS = 16
 SWIGLU_GEMV_MAX_HIDDEN = 2048
 
 
+GEMM_IMPLS = ("mosaic_gpu", "reference", "cpu")
+
+
 def select_gemm_impl(mesh: jax.sharding.Mesh) -> str:
-    """The GEMMs with fused epilogues (the MLP's SwiGLU up projection, the greedy LM head) for a
-    model on `mesh`: "mosaic_gpu" (pallas_kernels/mosaic_gemm.py) on one Hopper GPU, else
-    "reference" (XLA). On several devices the weights may be split over `tensor` or `vocab`, and a
-    custom call there would make XLA gather them around every call."""
+    """How the GEMMs of a model on `mesh` run: "mosaic_gpu" (one Hopper GPU) -> the ones with fused
+    epilogues (the MLP's SwiGLU up projection, the greedy LM head) as kernels of
+    pallas_kernels/mosaic_gemm.py; "cpu" (CPU devices) -> XLA, with 16-bit dots returning f32 that
+    is rounded once to the model's dtype after (f32_dot_outputs); "reference" (elsewhere) -> XLA as
+    jnp writes them. On several GPUs the weights may be split over `tensor` or `vocab`, and a custom
+    call there would make XLA gather them around every call."""
     devices = mesh.devices.flat
+    if devices[0].platform == "cpu":
+        return "cpu"
     if mesh.devices.size != 1 or devices[0].platform not in ("gpu", "cuda"):
         return "reference"
     return "mosaic_gpu" if str(getattr(devices[0], "compute_capability", "")).startswith("9.") else "reference"
+
+
+def f32_dot_outputs(gemm_impl: str) -> bool:
+    """Whether a model of this gemm_impl asks its dots for f32 outputs (`preferred_element_type`) and
+    rounds them to its dtype after: on CPUs ("cpu"). XLA's CPU dot of bf16 operands that returns bf16
+    runs 3-6x slower than the same dot returning f32 (it upcasts internally, ../shared/JAX_NOTES.md; on
+    this workplace's CPU, 8 rows of SmolLM2-135M's gate/up 0.91 against 0.33 ms, its LM head 37.5
+    against 3.0 ms), and the value is the same f32 sum rounded once. For f32 models the two are one
+    dot. GPUs and TPUs round inside the dot and keep their 16-bit outputs (docs/design.md,
+    "16-bit models on CPUs")."""
+    if gemm_impl not in GEMM_IMPLS:  # the callers' argument is their `implementation`
+        raise ValueError(f"implementation={gemm_impl!r} must be one of {GEMM_IMPLS}")
+    return gemm_impl == "cpu"
 
 
 def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Array:
@@ -233,7 +266,7 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
     implementation: "mosaic_gpu" runs a fused kernel where one applies (bf16/f16 and tile-aligned D
     and F): the Hopper GEMM for T a multiple of 128 and at least SWIGLU_MIN_TOKENS, the Triton GEMV
     for T up to SWIGLU_GEMV_MAX_TOKENS and D up to SWIGLU_GEMV_MAX_HIDDEN; the reference elsewhere.
-    "reference" is jnp (XLA)."""
+    "reference" is jnp (XLA); "cpu" the same with the GEMM's output in f32 (f32_dot_outputs)."""
     if implementation == "mosaic_gpu":
         if x.shape[0] >= SWIGLU_MIN_TOKENS:
             from pallas_kernels.swiglu import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
@@ -245,9 +278,7 @@ def swiglu(x, w, *, precision=None, implementation: str = "reference") -> jax.Ar
 
             if gpu.supports(x, w):
                 return gpu.swiglu_gemv(x, w)
-    elif implementation != "reference":
-        raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
-    return _swiglu.ref_swiglu(x, w, precision=precision)
+    return _swiglu.ref_swiglu(x, w, precision=precision, f32_out=f32_dot_outputs(implementation))
 
 
 # Rows from which greedy_head runs the Mosaic GPU kernel (gpu_mosaic.py): from 64 rows it beats cuBLAS
@@ -298,9 +329,8 @@ def greedy_head_is_fused(x, head, *, transposed: bool, implementation: str) -> b
 
 
 def _greedy_head_kernel(x, head, *, transposed: bool, implementation: str) -> str | None:
-    if implementation not in ("mosaic_gpu", "reference"):
-        raise ValueError(f"implementation={implementation!r} must be 'mosaic_gpu' or 'reference'")
-    if implementation == "reference":
+    if implementation != "mosaic_gpu":
+        f32_dot_outputs(implementation)  # checks the name
         return None
     if x.shape[0] <= GREEDY_HEAD_GEMV_MAX_ROWS:
         from pallas_kernels.greedy_head import gpu

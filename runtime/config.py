@@ -92,7 +92,7 @@ class EngineConfig:
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
     max_stop_token_ids: int = 16  # EOS + stop token ids banned while below min_tokens (fixed width)
     dtype: str = "auto"  # weights and compute: auto (the checkpoint's), float32, bfloat16, float16
-    kv_dtype: str | None = None  # KV pages; None: the compute dtype
+    kv_dtype: str | None = None  # KV pages; None: the compute dtype (f32 for 16-bit models on CPUs: kv_pool_dtype)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     seed: int = 0  # seeds of requests that bring none are drawn from this
     strict_compile: bool = False  # a compile after warmup raises (tests) instead of logging an alert

@@ -229,9 +229,8 @@ class Engine:
                 decode_steps=config.decode_steps,
             )
         )
-        kv_dtype = _DTYPES[config.kv_dtype] if config.kv_dtype else model.dtype
         self.kv_pages = init_kv_pages(
-            cfg, config.num_pages, config.page_size, kv_dtype, kv_repeat=model.kv_repeat,
+            cfg, config.num_pages, config.page_size, _kv_dtype(model, config), kv_repeat=model.kv_repeat,
             sharding=kv_cache_sharding(cfg, model.mesh),
         )
         self.buckets = BucketTable(config.token_bucket_table, config.seq_bucket_table)
@@ -625,6 +624,14 @@ def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str
     return best
 
 
+def _kv_dtype(model: LoadedModel, config: EngineConfig):
+    """The KV pool's dtype: config.kv_dtype, else dispatch.kv_pool_dtype's for the model (its compute
+    dtype; float32 for a 16-bit model on CPUs)."""
+    if config.kv_dtype:
+        return _DTYPES[config.kv_dtype]
+    return dispatch.kv_pool_dtype(model.attn_impl, model.dtype)
+
+
 def _estimate_num_pages(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
     """Pages for the pool: on CPU, room for every slot at full length; on an accelerator, the
     configured share of the memory left on the first device after the weights."""
@@ -639,10 +646,9 @@ def _estimate_num_pages(model: LoadedModel, config: EngineConfig, max_model_len:
     if not limit:
         return enough
     cfg = model.config
-    kv_dtype = _DTYPES[config.kv_dtype] if config.kv_dtype else model.dtype
     shape = kv_pages_shape(cfg, 1, G, model.kv_repeat)
     shards = mesh_axis_size(model.mesh, "tensor") if kv_cache_sharding(cfg, model.mesh).spec[2] else 1
-    page_bytes = cfg.num_layers * int(np.prod(shape)) * np.dtype(kv_dtype).itemsize // shards
+    page_bytes = cfg.num_layers * int(np.prod(shape)) * np.dtype(_kv_dtype(model, config)).itemsize // shards
     free = limit * config.kv_memory_fraction - stats.get("bytes_in_use", 0)
     pages = int(free // page_bytes)
     if pages < per_seq:

@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 
 
-def ref_swiglu(x: jax.Array, w: jax.Array, *, precision=None) -> jax.Array:  # [T, F] x.dtype
+def ref_swiglu(x: jax.Array, w: jax.Array, *, precision=None, f32_out: bool = False) -> jax.Array:  # [T, F] x.dtype
     """x: [T, D]; w: [D, 2, F] (w[:, 0] the gate, w[:, 1] the up projection). One GEMM for both
-    halves (docs/design.md "Merged projections"), its output in x's dtype, then silu(gate) * up."""
-    gu = jnp.einsum("td,dgf->tgf", x, w.astype(x.dtype), precision=precision)
-    return jax.nn.silu(gu[:, 0]) * gu[:, 1]
+    halves (docs/design.md "Merged projections"), its output in x's dtype, then silu(gate) * up.
+    f32_out: the GEMM's output in f32 and silu(gate) * up computed in it, rounded once to x's dtype,
+    as the Mosaic GPU kernel does (dispatch.f32_dot_outputs: what CPUs run fast)."""
+    gu = jnp.einsum("td,dgf->tgf", x, w.astype(x.dtype), precision=precision,
+                    preferred_element_type=jnp.float32 if f32_out else None)
+    return (jax.nn.silu(gu[:, 0]) * gu[:, 1]).astype(x.dtype)
 
 
 def validate(x: jax.Array, w: jax.Array):
