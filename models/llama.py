@@ -237,7 +237,8 @@ class LlamaModel(nnx.Module):
         else:
             if logits_indices is not None:
                 x = jnp.take(x, logits_indices, axis=0)
-            out = head_logits(x, head, transposed=tied, precision=_precision(self.dtype))
+            out = head_logits(x, head, transposed=tied, precision=_precision(self.dtype),
+                              fold_transpose=dispatch.f32_dot_outputs(self.gemm_impl))
         return out, tuple(new_pages)
 
 

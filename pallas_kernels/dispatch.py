@@ -314,7 +314,8 @@ def greedy_head(x, head, *, transposed: bool, rows=None, precision=None,
         from pallas_kernels.greedy_head import gpu_mosaic  # Mosaic GPU imports are heavier; load on use
 
         return gpu_mosaic.greedy_head_mosaic(x, head, transposed=transposed)
-    return _greedy_head.ref_greedy_head(x, head, transposed=transposed, precision=precision)
+    return _greedy_head.ref_greedy_head(x, head, transposed=transposed, precision=precision,
+                                        fold_transpose=f32_dot_outputs(implementation))
 
 
 def _rows_of(x, rows):

@@ -15,20 +15,30 @@ def validate(x: jax.Array, head: jax.Array, *, transposed: bool):
         raise ValueError(f"x {x.shape} must be [T, D] and head {head.shape} {want} with D = {x.shape[-1]}")
 
 
-def head_logits(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None) -> jax.Array:
+def head_logits(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None,
+                fold_transpose: bool = False) -> jax.Array:
     """f32[T, V] logits of x [T, D] (the final norm's output) under head [D, V], or [V, D] when
-    `transposed` (a tied input embedding), accumulated and returned in float32."""
+    `transposed` (a tied input embedding), accumulated and returned in float32.
+
+    fold_transpose: contract a transposed head's own D axis in the dot (lax.dot_general) instead of
+    x @ head.T, for CPUs (dispatch.f32_dot_outputs): there XLA upcast the whole bf16 table to f32 every
+    call for x @ head.T (34.3 against 2.3 ms for 8 rows of SmolLM2-135M's [49152, 576] table;
+    docs/design.md, "16-bit models on CPUs"). On an H200 the two forms gave equal logits, and the
+    dot_general one measured 134 / 128 / 226 us against 132 / 127 / 209 at 1 / 8 / 256 rows of
+    llama3_2_1b's table, so GPUs keep x @ head.T."""
     validate(x, head, transposed=transposed)
-    # The tied head contracts the embedding's own D axis: written as x @ head.T, XLA's CPU dot of bf16
-    # operands ran 15x slower (34.3 against 2.3 ms for 8 rows of SmolLM2-135M's [49152, 576] table;
-    # docs/design.md, "16-bit models on CPUs")
-    dims = (((1,), (1 if transposed else 0,)), ((), ()))
-    return lax.dot_general(x, head.astype(x.dtype), dims, precision=precision, preferred_element_type=jnp.float32)
+    if transposed and fold_transpose:
+        dims = (((1,), (1,)), ((), ()))
+        return lax.dot_general(x, head.astype(x.dtype), dims, precision=precision, preferred_element_type=jnp.float32)
+    w = head.T if transposed else head
+    return jnp.matmul(x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
 
 
-def ref_greedy_head(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None) -> jax.Array:
+def ref_greedy_head(x: jax.Array, head: jax.Array, *, transposed: bool, precision=None,
+                    fold_transpose: bool = False) -> jax.Array:
     """i32[T]: each row's argmax over its f32 logits (the first index among equal maxima)."""
-    return jnp.argmax(head_logits(x, head, transposed=transposed, precision=precision), axis=-1).astype(jnp.int32)
+    logits = head_logits(x, head, transposed=transposed, precision=precision, fold_transpose=fold_transpose)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def argmax_of_block_partials(pmax: jax.Array, pidx: jax.Array) -> jax.Array:
