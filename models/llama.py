@@ -36,12 +36,11 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _dot(spec: str, x, w, *, precision, gemm_impl: str):
-    """jnp.einsum(spec, x, w) in x's dtype; where the model's GEMMs run on CPUs
-    (dispatch.f32_dot_outputs), the dot returns f32, rounded once to x's dtype after."""
-    if dispatch.f32_dot_outputs(gemm_impl):
-        return jnp.einsum(spec, x, w, precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum(spec, x, w, precision=precision)
+def _dot_output(gemm_impl: str):
+    """The model's dots' preferred_element_type: f32 where its GEMMs run on CPUs
+    (dispatch.f32_dot_outputs; the caller rounds the product to its dtype once), else None (the
+    operands' dtype, as before: GPU and TPU programs are unchanged)."""
+    return jnp.float32 if dispatch.f32_dot_outputs(gemm_impl) else None
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
@@ -100,7 +99,8 @@ class Attention(nnx.Module):
         if not (cfg.attention_bias or cfg.qk_norm) and (n := parts("qkv", T, D, D)) > 1:
             qkv = dispatch.gemv_partials(x, w, n, precision=prec)  # summed in the attention kernel
         else:
-            qkv = _dot("td,dgrh->tgrh", x, w, precision=prec, gemm_impl=self.gemm_impl)
+            qkv = jnp.einsum("td,dgrh->tgrh", x, w, precision=prec,
+                             preferred_element_type=_dot_output(self.gemm_impl)).astype(dt)
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias[...].astype(dt)
         if cfg.qk_norm:
@@ -111,7 +111,7 @@ class Attention(nnx.Module):
         o, w = o.reshape(T, -1), self.o_proj[...].astype(dt).reshape(-1, D)
         if (n := parts("o", T, o.shape[1], D)) > 1:
             return dispatch.gemv_partials(o, w, n, precision=prec), kv_pages  # summed in add_rms_norm
-        return _dot("tk,kd->td", o, w, precision=prec, gemm_impl=self.gemm_impl), kv_pages
+        return jnp.matmul(o, w, precision=prec, preferred_element_type=_dot_output(self.gemm_impl)).astype(dt), kv_pages
 
     def _write_and_attend(self, kv_pages, qkv, cos, sin, *meta, decode_only: bool):
         def run(kv_pages, qkv, cos, sin, *meta):
@@ -141,7 +141,7 @@ class MLP(nnx.Module):
         w = self.down_proj[...].astype(dt)
         if down_parts > 1:
             return dispatch.gemv_partials(h, w, down_parts, precision=prec)
-        return _dot("tf,fd->td", h, w, precision=prec, gemm_impl=self.gemm_impl)
+        return jnp.matmul(h, w, precision=prec, preferred_element_type=_dot_output(self.gemm_impl)).astype(dt)
 
 
 class DecoderLayer(nnx.Module):
