@@ -159,7 +159,7 @@ def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = N
     over `vocab`, and a custom call would make XLA gather it whole); "cpu" -> the same jnp."""
     if implementation == "mosaic_gpu":
         return _rms_norm.embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
-    f32_dot_outputs(implementation)  # checks the name
+    _check_gemm_impl(implementation)
     return _rms_norm.ref_embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
 
 
@@ -247,6 +247,11 @@ def select_gemm_impl(mesh: jax.sharding.Mesh) -> str:
     return "mosaic_gpu" if str(getattr(devices[0], "compute_capability", "")).startswith("9.") else "reference"
 
 
+def _check_gemm_impl(implementation: str):
+    if implementation not in GEMM_IMPLS:
+        raise ValueError(f"implementation={implementation!r} must be one of {GEMM_IMPLS}")
+
+
 def f32_dot_outputs(gemm_impl: str) -> bool:
     """Whether a model of this gemm_impl asks its dots for f32 outputs (`preferred_element_type`) and
     rounds them to its dtype after: on CPUs ("cpu"). XLA's CPU dot of bf16 operands that returns bf16
@@ -255,8 +260,7 @@ def f32_dot_outputs(gemm_impl: str) -> bool:
     against 3.0 ms), and the value is the same f32 sum rounded once. For f32 models the two are one
     dot. GPUs and TPUs round inside the dot and keep their 16-bit outputs (docs/design.md,
     "16-bit models on CPUs")."""
-    if gemm_impl not in GEMM_IMPLS:  # the callers' argument is their `implementation`
-        raise ValueError(f"implementation={gemm_impl!r} must be one of {GEMM_IMPLS}")
+    _check_gemm_impl(gemm_impl)
     return gemm_impl == "cpu"
 
 
@@ -331,7 +335,7 @@ def greedy_head_is_fused(x, head, *, transposed: bool, implementation: str) -> b
 
 def _greedy_head_kernel(x, head, *, transposed: bool, implementation: str) -> str | None:
     if implementation != "mosaic_gpu":
-        f32_dot_outputs(implementation)  # checks the name
+        _check_gemm_impl(implementation)
         return None
     if x.shape[0] <= GREEDY_HEAD_GEMV_MAX_ROWS:
         from pallas_kernels.greedy_head import gpu

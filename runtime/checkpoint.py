@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
-from pallas_kernels.dispatch import select_attention_impl, select_gemm_impl
+from pallas_kernels.dispatch import kv_pool_dtype, select_attention_impl, select_gemm_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
 from sharding.mesh import MeshConfig, mesh_axis_size
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
@@ -58,6 +58,12 @@ class LoadedModel:
     def gemm_impl(self) -> str:
         """Where the model's fused-epilogue GEMMs run (dispatch.select_gemm_impl; in the graph too)."""
         return select_gemm_impl(self.mesh)
+
+    @cached_property
+    def kv_dtype(self) -> jnp.dtype:
+        """The KV pool's dtype where none is asked for (dispatch.kv_pool_dtype: the compute dtype;
+        float32 for a 16-bit model on CPUs)."""
+        return kv_pool_dtype(self.attn_impl, self.dtype)
 
     @cached_property
     def forward(self):

@@ -625,11 +625,8 @@ def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str
 
 
 def _kv_dtype(model: LoadedModel, config: EngineConfig):
-    """The KV pool's dtype: config.kv_dtype, else dispatch.kv_pool_dtype's for the model (its compute
-    dtype; float32 for a 16-bit model on CPUs)."""
-    if config.kv_dtype:
-        return _DTYPES[config.kv_dtype]
-    return dispatch.kv_pool_dtype(model.attn_impl, model.dtype)
+    """The KV pool's dtype: config.kv_dtype, else the model's (LoadedModel.kv_dtype)."""
+    return _DTYPES[config.kv_dtype] if config.kv_dtype else model.kv_dtype
 
 
 def _estimate_num_pages(model: LoadedModel, config: EngineConfig, max_model_len: int) -> int:

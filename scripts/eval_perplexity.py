@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
 
     C, G = args.context, args.page_size
     pages = C // G
-    kv = init_kv_pages(cfg, pages, G, loaded.dtype, kv_repeat=loaded.kv_repeat,
+    kv = init_kv_pages(cfg, pages, G, loaded.kv_dtype, kv_repeat=loaded.kv_repeat,
                        sharding=kv_cache_sharding(cfg, loaded.mesh), fill=float("nan"))
     step = make_step(loaded, C)
     plan = list(windows(len(ids), C, args.stride))
