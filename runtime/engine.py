@@ -52,7 +52,7 @@ its objects go by reference counting and do not bring the next collection forwar
 
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
-plan completes its prompt, sharing its prompt pages. Sample i uses seed + i.
+plan completes its prompt, sharing its prompt pages. Sample i uses sampling.sample_seed(seed, i).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ from runtime.llm import CompletionOutput, RequestOutput
 from runtime.plan import StepPlan
 from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
                              validate_prompt)
+from runtime.sampling import sample_seed
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
 from sharding.mesh import mesh_axis_size
@@ -360,7 +361,7 @@ class Engine:
             sid=sid,
             group=group,
             index=index,
-            sampling=SeqSampling.create(replace(group.params, n=1), group.seed + index, group.prompt_ids,
+            sampling=SeqSampling.create(replace(group.params, n=1), sample_seed(group.seed, index), group.prompt_ids,
                                         self.eos_ids, self.config.max_model_len),
             detok=tok.incremental_detokenizer(group.prompt_ids) if tok is not None else None,
         )

@@ -237,6 +237,22 @@ def split_seed(seed: int) -> tuple[int, int]:
     return s & 0xFFFFFFFF, s >> 32
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (SamplingParams.n > 1).
+
+    Sample 0 uses the seed itself, so a request's first sample is the same for any n. The others
+    take splitmix64's finalizer of seed + index * 2**64 / phi (mod 2**64): with seed + index (vLLM's
+    rule), requests with adjacent seeds shared samples (seed 5's second was seed 6's first), and a
+    sweep over seeds drew the same samples again and again."""
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    z = (int(seed) + index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:  # u32[S, 2], i32[S] -> key[S]
     def one(seed, pos):
         key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])

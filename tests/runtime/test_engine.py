@@ -29,7 +29,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime import replicas
 from runtime.request import SamplingParams
-from runtime.sampling import history_placeholder
+from runtime.sampling import history_placeholder, sample_seed
 from sharding.mesh import MeshConfig
 from tests.testing.data import shared_data_dir
 from tests.testing.engine import BASE, GAP, check_idle, first_near_tie, run_one, run_workload, scaled_dummy
@@ -254,15 +254,27 @@ def test_seeded_sampling_alone_equals_batch_and_preempted(engine, tiny, workload
     assert other.outputs[0].token_ids != again.outputs[0].token_ids
 
 
-def test_n_samples_use_consecutive_seeds(engine, workload):
+def test_n_samples_use_derived_seeds(engine, workload):
     _, prompt, _ = workload[0]
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, n=3)
     out = run_one(engine, prompt, params)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for i, c in enumerate(out.outputs):
-        single = run_one(engine, prompt, replace(params, n=1, seed=1234 + i))
+        single = run_one(engine, prompt, replace(params, n=1, seed=sample_seed(1234, i)))
         assert c.token_ids == single.outputs[0].token_ids
+    # the next seed's samples are not this request's shifted by one (seed + i made them so)
+    nxt = run_one(engine, prompt, replace(params, seed=1235))
+    assert nxt.outputs[0].token_ids != out.outputs[1].token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs + nxt.outputs}) == 6
     check_idle(engine)
+
+
+def test_sample_seeds():
+    assert sample_seed(1234, 0) == 1234 and sample_seed(-3, 0) == -3
+    seeds = {sample_seed(s, i) for s in range(64) for i in range(1, 9)}
+    assert len(seeds) == 64 * 8 and not seeds & set(range(64))
+    assert all(0 <= x < 2**64 for x in seeds)
+    assert sample_seed(2**64 + 5, 3) == sample_seed(5, 3)  # seeds count mod 2**64, as split_seed reads them
 
 
 def test_stop_token_ids_min_tokens_max_tokens(engine, workload):
