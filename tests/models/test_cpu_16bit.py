@@ -15,14 +15,23 @@ from pallas_kernels.swiglu.reference import ref_swiglu
 from runtime.checkpoint import load_model
 from runtime.llm import LLM
 from runtime.request import SamplingParams
+from sharding.mesh import MeshConfig
 from tests.testing.engine import BASE
 
 CFG = {**BASE, "dtype": "bfloat16"}
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """These are the CPU's programs also on a GPU host: arrays made and jitted here go to the CPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def bf16_model():
-    return load_model("dummy:stories260k", dtype="bfloat16", seed=3)
+    return load_model("dummy:stories260k", mesh=MeshConfig().make_mesh(jax.devices("cpu")[:1]), dtype="bfloat16",
+                      seed=3)
 
 
 def _elements(shape: str) -> int:
