@@ -160,8 +160,8 @@ def embed_rms_norm(table, ids, scale, *, eps: float, dtype, rows: int | None = N
     tied to the ids by an optimization barrier. XLA's CPU gathers no 16-bit floats: it gathers from
     convert(table) to f32, which it fuses into the gather (only the rows read are converted), but
     inside a decode burst's loop that convert is loop-invariant, and XLA hoists it and writes the
-    whole table in f32 once a burst (SmolLM2-135M's: 113 MB; bursts of 8 ran 122 against 139 tok/s
-    for single steps). Through the barrier the table depends on each step's ids, so it stays fused."""
+    whole table in f32 once a burst (SmolLM2-135M's: 113 MB, ~38 ms). Through the barrier the table
+    depends on each step's ids, so it stays fused (docs/design.md, "16-bit models on CPUs")."""
     if implementation == "mosaic_gpu":
         return _rms_norm.embed_rms_norm(table, ids, scale, eps=eps, dtype=dtype, rows=rows)
     _check_gemm_impl(implementation)
