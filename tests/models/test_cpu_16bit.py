@@ -69,8 +69,10 @@ def test_cpu_programs_keep_weights_and_pool_in_their_dtypes(bf16_model):
     """No dot of the compiled model programs returns bf16 (XLA's CPU runs those 3-6x slower), and
     nothing converts an array the size of a weight or of the KV pool: the whole table, the pool
     around the KV write, or a weight upcast around a dot."""
-    # token buckets other than D (64): an activation [T, F] never has a weight's [D, F] shape
-    llm = LLM(bf16_model, **{**CFG, "max_num_batched_tokens": 32, "token_buckets": (16, 32)})
+    # token buckets other than D (64): an activation [T, F] never has a weight's [D, F] shape; one seq
+    # bucket: its nine burst programs are most of the compile time, and the others' dots are the same
+    llm = LLM(bf16_model, **{**CFG, "max_num_batched_tokens": 32, "token_buckets": (16, 32), "seq_buckets": (8,),
+                             "decode_steps": 8})
     try:
         ex = llm.engine.executor
         pool = llm.engine.kv_pages[0]
@@ -98,8 +100,8 @@ def test_f32_pool_gives_the_16bit_pools_outputs_bit_for_bit(bf16_model):
     prompts = np.random.default_rng(0).integers(0, bf16_model.config.vocab_size, (5, 24)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = {}
-    for kv in (None, "bfloat16"):
-        llm = LLM(bf16_model, **CFG, kv_dtype=kv)
+    for kv in (None, "bfloat16"):  # no warmup: only the programs this batch runs are compiled
+        llm = LLM(bf16_model, **{**CFG, "warmup": False, "strict_compile": False}, kv_dtype=kv)
         try:
             assert llm.engine.kv_pages[0].dtype == (jnp.float32 if kv is None else jnp.bfloat16)
             outs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
