@@ -289,46 +289,45 @@ def test_model_step_fn_runs_the_executors_model_program():
         eng.close()
 
 
-@pytest.mark.parametrize("runs", [True, False])
-def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch, runs):
+def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch):
     """EngineConfig.warmup_runs: warmup runs every compiled program once on an all-padding batch (the
     page-table updates on updates that all drop), which writes nothing into the KV pool or the page
-    table, and the engine's tokens are those of an engine that skipped the runs, with no compile after
-    warmup."""
+    table, and the engine's tokens are those of an engine that skipped the runs (which ran nothing at
+    warmup), with no compile after warmup."""
     from runtime.compilation import StepExecutor
 
-    calls = {}
+    calls = {}  # (executor, key) -> runs
     compile_ = StepExecutor._compile
 
     def counting_compile(self, key, lowered):
         exe = compile_(self, key, lowered)
 
         def run(*args):
-            calls[key] = calls.get(key, 0) + 1
+            calls[self, key] = calls.get((self, key), 0) + 1
             return exe(*args)
         return run
 
     monkeypatch.setattr(StepExecutor, "_compile", counting_compile)
     model = scaled_dummy()
     cfg = {**BASE, "seq_buckets": (1, 8), "decode_steps": 4}
-    eng = Engine(model, EngineConfig(**cfg, warmup_runs=runs))
-    keys = eng.executor.program_keys()
-    assert {k[0] for k in keys} >= {"model", "burst", "count", "penalize", "pick", "logprobs", "pages"}
-    if runs:
-        assert calls == {k: 1 for k in keys}
-    else:
-        assert calls == {}
-    assert all(not np.asarray(x).any() for x in jax.tree.leaves(eng.kv_pages))  # the pool is still all zeros
-    assert not np.asarray(eng.executor.page_table).any()  # and the page table
-    plain = eng if not runs else Engine(model, EngineConfig(**cfg, warmup_runs=False))
+    eng = Engine(model, EngineConfig(**cfg, warmup_runs=True))
+    plain = None
     try:
+        plain = Engine(model, EngineConfig(**cfg, warmup_runs=False))
+        keys = eng.executor.program_keys()
+        assert {k[0] for k in keys} >= {"model", "burst", "count", "penalize", "pick", "logprobs", "pages"}
+        assert calls == {(eng.executor, k): 1 for k in keys}  # and none of plain's programs ran
+        for e in (eng, plain):
+            assert all(not np.asarray(x).any() for x in jax.tree.leaves(e.kv_pages))  # the pool is still all zeros
+            assert not np.asarray(e.executor.page_table).any()  # and the page table
         workload = greedy_requests("w", 10)
         got = run_workload(eng, workload, seed=3)
-        want = run_workload(plain, workload, seed=3) if plain is not eng else got
+        want = run_workload(plain, workload, seed=3)
         ids = [{r: o.outputs[0].token_ids for r, o in res.items()} for res in (got, want)]
         assert ids[0] == ids[1]
         check_idle(eng)
+        check_idle(plain)
     finally:
         eng.close()
-        if plain is not eng:
+        if plain is not None:
             plain.close()
