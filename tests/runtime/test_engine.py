@@ -341,9 +341,10 @@ def test_lookahead_plans_before_tokens_are_known(engine, workload):
 
 def test_penalties_match_a_plain_loop(model, engine, workload):
     """Greedy decoding with all three penalties through the engine, where each step's history ends
-    in a placeholder for the token still on the device, equals a plain loop: the whole sequence
-    recomputed every step (tests/testing/greedy.py) and the penalties applied in numpy (float64).
-    Compared up to the first step whose two best penalized logits are within GAP (a near-tie)."""
+    in a placeholder for the token still on the device, equals a plain loop: the penalties applied
+    in numpy (float64) to the plain model's logits (tests/testing/greedy.py) after the prompt and
+    each earlier output. Compared up to the first step whose two best penalized logits are within
+    GAP (a near-tie)."""
     _, words, _ = workload[2]
     # The model's own continuation in the prompt: its favourite next tokens are then often ones it
     # has seen (after random ids alone they rarely are, and the penalties would change nothing).
@@ -372,9 +373,12 @@ def test_penalties_match_a_plain_loop(model, engine, workload):
             assert h[len(want) - 1] == history_placeholder(-1), j
             h[len(want) - 1] = got[j - 1]
         assert h[: len(want)].tolist() == want and (h[len(want):] == -1).all(), j
+    # One causal prefill of the prompt and the engine's outputs gives, at the prompt's last position
+    # plus j, the logits after prompt + got[:j]: the loop's own history for as long as it agrees.
+    plain = greedy_generate(model, prompt + got[:-1], 1).prompt_logits[len(prompt) - 1:].astype(np.float64)
     seq, changed = list(prompt), 0
     for j in range(n):
-        x = greedy_generate(model, seq, 1).step_logits[0].astype(np.float64)
+        x = plain[j].copy()
         raw_best = int(x.argmax())
         outputs = seq[len(prompt):]
         for t in set(seq):
