@@ -9,6 +9,7 @@ loop, and then checks on the quiet engine that every KV page is free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 
@@ -55,6 +56,32 @@ def assert_all_pages_free(engine) -> None:
     assert not engine.has_unfinished(), "the engine still has unfinished work"
     assert alloc.num_referenced == 0, f"{alloc.num_referenced} KV pages are still referenced"
     assert alloc.num_free + alloc.num_cached == engine.config.num_pages
+
+
+@contextlib.contextmanager
+def steps_held_until_cancel(server, timeout_s: float = 30.0):
+    """Within the block the engine makes no step; on leaving it, the test waits until the server has
+    cancelled an engine request (a client went away), then lets steps go on. A request sent inside
+    the block therefore cannot finish before its client gives up, however fast the machine is."""
+    gate, cancelled = threading.Event(), threading.Event()
+    engine, async_engine = server.engine, server.core.engine
+    step, cancel = engine.step, async_engine.cancel
+
+    def held_step(*args, **kwargs):
+        gate.wait(60)
+        return step(*args, **kwargs)
+
+    def noted_cancel(request_id):
+        cancel(request_id)
+        cancelled.set()
+
+    engine.step, async_engine.cancel = held_step, noted_cancel  # instance attributes over the methods
+    try:
+        yield
+        assert cancelled.wait(timeout_s), "the server never cancelled the request of a client that went away"
+    finally:
+        gate.set()
+        del engine.step, async_engine.cancel
 
 
 class LiveServer:
