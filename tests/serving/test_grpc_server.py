@@ -120,7 +120,8 @@ def test_deadline_and_cancel_abort_the_request(stub, server):
     assert finished_count(core, "abort") == aborted + 1
     call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30)
     next(call)
-    call.cancel()
+    with steps_held_until_cancel(server):
+        call.cancel()
     server.call(core.wait_idle(), timeout=30)
     assert finished_count(core, "abort") == aborted + 2 and core.in_flight == 0
 

@@ -298,6 +298,8 @@ def test_disconnect_cancels_the_request(server):
                             "ignore_eos": True}) as r:
         it = r.iter_lines()
         assert next(it).startswith("data: ")
+        with steps_held_until_cancel(server):  # the rest cannot be generated before the server notices
+            r.close()
     # The stream was dropped after one chunk: the engine aborts the request (not 240 tokens later).
     server.call(server.core.wait_idle(), timeout=30)
     assert server.core.in_flight == 0
