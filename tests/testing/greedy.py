@@ -68,14 +68,20 @@ def greedy_generate(
 def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
     """The same greedy loop on a HF transformers causal LM (its own KV cache): generated ids and the
     f32[n, V] logits each was chosen from. No EOS stop, unlike `generate`, so runs compare in full."""
-    import torch
+    import inspect
 
-    seq, past, logits = list(prompt), None, []
+    import torch
+    from transformers import DynamicCache
+
+    # The KV cache argument is `cache` in recent transformers 5 releases, where `past_key_values` is
+    # deprecated (to go in 5.40); older ones take only the latter. The cache fills in place either way.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = {name: DynamicCache(config=model.config)}
+    seq, logits = list(prompt), []
     x = torch.tensor([list(prompt)])
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            out = model(x, past_key_values=past, use_cache=True)
-            past, last = out.past_key_values, out.logits[0, -1].float()
+            last = model(x, use_cache=True, **kv).logits[0, -1].float()
             logits.append(last.numpy())
             seq.append(int(last.argmax()))
             x = torch.tensor([[seq[-1]]])
