@@ -21,6 +21,27 @@ from tests.testing.data import REPO_ROOT
 DRAIN_TIMEOUT = 30.0
 STATUS_LINE = re.compile(r"running \d+ \| waiting \d+ \| KV [\d.]+% \| prefix hit [\d.]+% \| [\d.]+ tok/s")
 
+# `xlaserve serve` with the engine's steps held while the file argv[1] exists, once NUM_STREAMS requests
+# have had an output: their streams stay in flight until the test removes the file, however fast the machine.
+NUM_STREAMS = 4
+HELD_SERVE = f"""
+import os, sys, time
+from runtime.engine import Engine
+from xlaserve.cli import main
+
+gate, step, seen = sys.argv.pop(1), Engine.step, set()
+
+def held_step(self, *args, **kwargs):
+    while len(seen) >= {NUM_STREAMS} and os.path.exists(gate):
+        time.sleep(0.005)
+    outputs = step(self, *args, **kwargs)
+    seen.update(o.request_id for o in outputs)
+    return outputs
+
+Engine.step = held_step
+sys.exit(main())
+"""
+
 
 def _read_ports(proc: subprocess.Popen, log: list[str], draining: threading.Event, timeout: float = 180.0,
                 status: threading.Event | None = None) -> int:
@@ -61,7 +82,9 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # one device is enough
-    proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "serve", "--config", str(tmp_path / "serve.yaml")],
+    gate = tmp_path / "hold-steps"
+    gate.touch()
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SERVE, str(gate), "serve", "--config", str(tmp_path / "serve.yaml")],
                             cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log: list[str] = []
     try:
@@ -72,7 +95,7 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/health").status_code == 200
         results: dict[int, list] = {}
-        first_chunk = threading.Barrier(5)
+        first_chunk = threading.Barrier(NUM_STREAMS + 1)
 
         def stream(i: int) -> None:
             body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200 + i, "ignore_eos": True,
@@ -88,18 +111,20 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
                             first_chunk.wait(60)
             results[i] = events
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
         for t in threads:
             t.start()
         first_chunk.wait(60)  # every stream has its first token: the requests are in flight
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        # While draining: not healthy, and new work is refused (the 4 streams have ~200 tokens to go).
+        # While draining: not healthy, and new work is refused (the streams are held with ~200 tokens to go).
         assert draining.wait(30)
         h = httpx.get(base + "/health", timeout=5)
         assert h.status_code == 503 and h.json() == {"status": "draining"}
         r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert proc.poll() is None and not results, "the server stopped before its streams ended"
+        gate.unlink()  # the engine steps again: the drain waits for every stream to end
         for t in threads:
             t.join(60)
         rc = proc.wait(DRAIN_TIMEOUT + 15)
