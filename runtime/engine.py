@@ -363,7 +363,8 @@ class Engine:
             index=index,
             sampling=SeqSampling.create(replace(group.params, n=1), sample_seed(group.seed, index), group.prompt_ids,
                                         self.eos_ids, self.config.max_model_len),
-            detok=tok.incremental_detokenizer(group.prompt_ids) if tok is not None else None,
+            detok=(tok.incremental_detokenizer(group.prompt_ids, skip_special_tokens=group.params.skip_special_tokens)
+                   if tok is not None else None),
         )
         if group.params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0

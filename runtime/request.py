@@ -44,6 +44,10 @@ class SamplingParams:
     whole sequence so far into every output, which costs the engine's host O(length) per request
     per step; "delta" sends only what is new (streaming servers); "final_only" sends nothing until
     the end. The final output (finished=True) is always cumulative.
+
+    skip_special_tokens (vLLM's name and default) leaves the tokenizer's special tokens (BOS, EOS,
+    chat markers such as <|im_end|>) out of the output text; their ids stay in token_ids. Stop
+    strings are matched against the text as produced, so with False they can match those markers.
     """
 
     temperature: float = 1.0
@@ -63,6 +67,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: Mapping[int, float] | None = None
     output_kind: str = OUTPUT_CUMULATIVE
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Copies, so that a caller mutating its list cannot change a submitted request.
@@ -114,6 +119,8 @@ class SamplingParams:
                 fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             fail(f"n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            fail(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         if self.output_kind not in OUTPUT_KINDS:
             fail(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -27,6 +27,7 @@ from serving.metrics import ServingMetrics
 logger = logging.getLogger("xlaserve.serving")
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_REQUEST_ID_LEN = 256  # characters of a client-chosen request id
 
 
 class State(enum.Enum):
@@ -83,6 +84,9 @@ class _Live:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: int = 0
+    # How the request was counted in the metrics (once): "finished" (request_success_total, by its
+    # finish reason) or a failure reason (request_failure_total), whichever came first.
+    counted: str | None = None
 
 
 _END = object()
@@ -303,6 +307,8 @@ class ServingCore:
         step), the final output the whole sequence."""
         try:
             self._check_accepting()
+            if spec.request_id is not None:
+                _check_request_id(spec.request_id)
             ids = await asyncio.to_thread(self._prompt_ids, spec)
             self.check_limits(len(ids), spec.params)
             self._check_accepting()  # the state may have changed while tokenizing
@@ -377,7 +383,9 @@ class ServingCore:
                     longest = max((len(o.token_ids) for o in out.outputs), default=0)  # (cumulative: final)
                     if live.first_token_at is not None and longest > 1:
                         m.tpot.observe((now - live.first_token_at) / (longest - 1))
-                    m.request_finished(_request_finish_reason(out))
+                    if live.counted is None:  # (not a failure the stream counted: its cancel's abort)
+                        live.counted = "finished"
+                        m.request_finished(_request_finish_reason(out))
                 live.queue.put_nowait(out)
             live.queue.put_nowait(_END)
         except Exception as e:  # noqa: BLE001 - the engine died (EngineDeadError) or a bug; tell the client
@@ -385,7 +393,8 @@ class ServingCore:
             live.queue.put_nowait(e)
         finally:
             live.ticket.release()
-            self._live.pop(live.request_id, None)
+            if self._live.get(live.request_id) is live:  # (a new request may reuse a finished one's id)
+                del self._live[live.request_id]
             if not self._live:
                 self._idle.set()
 
@@ -414,23 +423,31 @@ class RequestStream:
             try:
                 item = await asyncio.wait_for(q.get(), max(0.0, self._deadline - time.monotonic()))
             except TimeoutError:
-                self.close()
-                self._core.metrics.request_failed("deadline")
+                self.close(failure="deadline")
                 raise DeadlineExceeded(f"the request's deadline of {self._timeout_s:.3f} s passed") from None
         if item is _END:
             self._complete = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self._complete = True
-            self._core.metrics.request_failed("unavailable")
+            self._count_failure("unavailable")
             raise Unavailable(f"the engine stopped: {item}", code="engine_dead")
         return item
 
-    def close(self) -> None:
-        """Cancel the request unless its stream has ended; idempotent."""
+    def close(self, failure: str | None = None) -> None:
+        """Cancel the request unless its stream has ended; idempotent. With `failure` (a
+        request_failure_total reason, e.g. "deadline"), the request counts as that failure rather
+        than as a request finished by its cancel's abort."""
         if not self._complete:
             self._complete = True
+            if failure is not None:
+                self._count_failure(failure)
             self._core.engine.cancel(self.request_id)
+
+    def _count_failure(self, reason: str) -> None:
+        if self._live.counted is None:
+            self._live.counted = reason
+            self._core.metrics.request_failed(reason)
 
 
 def _request_finish_reason(out) -> str:
@@ -440,6 +457,19 @@ def _request_finish_reason(out) -> str:
     if FINISH_LENGTH in reasons:
         return FINISH_LENGTH
     return reasons[0] if reasons else FINISH_ABORT
+
+
+def _check_request_id(rid) -> None:
+    """A client-chosen id is sent back as the x-request-id header (gRPC metadata) and logged:
+    printable ASCII without spaces, of a bounded length."""
+    if not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN and rid.isascii() and rid.isprintable()
+            and " " not in rid):
+        if not isinstance(rid, str):
+            shown = f"a {type(rid).__name__}"
+        else:
+            shown = repr(rid) if len(rid) <= 64 else f"a string of {len(rid)} characters"
+        raise InvalidRequest(f"request_id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters without "
+                             f"spaces, got {shown}", param="request_id")
 
 
 def _failure_reason(e: ServingError) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -78,6 +79,14 @@ def _timeout(context) -> float | None:
     return context.time_remaining()
 
 
+def _close(stream, context) -> None:
+    """Ends a handler's request. gRPC itself usually ends a call whose deadline passed (it cancels
+    the handler) before the stream's own deadline fires: count that as the deadline failure it is,
+    not as a request the client cancelled."""
+    left = context.time_remaining()
+    stream.close(failure="deadline" if left is not None and left <= 0 else None)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, core: ServingCore) -> None:
         self.core = core
@@ -94,7 +103,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if kind is None:
                 raise InvalidRequest("set one of text, token_ids or chat as the prompt", param="prompt")
             spec = GenerationSpec(
-                params=sampling_params_from_proto(request.sampling),
+                params=replace(sampling_params_from_proto(request.sampling),
+                               skip_special_tokens=not request.keep_special_tokens),
                 text=request.text if kind == "text" else None,
                 token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
                 messages=_messages(request.chat) if kind == "chat" else None,
@@ -140,7 +150,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ServingError as e:
             await _abort(context, e)
         finally:
-            stream.close()
+            _close(stream, context)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
@@ -209,7 +219,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except ServingError as e:
             await _abort(context, e)
         finally:
-            stream.close()
+            _close(stream, context)
 
     async def HealthCheck(self, request: pb.HealthCheckRequest, context):
         return pb.HealthCheckResponse(is_live=self.core.health()[0])

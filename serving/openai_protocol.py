@@ -4,7 +4,7 @@ Parsing is strict about types and ranges and names the offending parameter (`par
 envelope); parameters we cannot honour (echo, suffix, tools, ...) are refused with a
 400 rather than silently ignored. Beyond OpenAI's parameters, vLLM's extensions are accepted in
 the body (the openai client's `extra_body`): top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, priority, cache_salt. A completions `prompt` may be a batch (a list of
+ignore_eos, stop_token_ids, skip_special_tokens, priority, cache_salt. A completions `prompt` may be a batch (a list of
 strings and token id lists): one engine request per prompt, answered as one response.
 """
 
@@ -172,6 +172,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
             max_tokens=max_tokens,
             ignore_eos=_boolean(body, "ignore_eos", False),
             n=n,
+            skip_special_tokens=_boolean(body, "skip_special_tokens", True),
             logit_bias=logit_bias,
         )
     except ValueError as e:  # SamplingParams' own cross-field checks (min_tokens <= max_tokens, ...)

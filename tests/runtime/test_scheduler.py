@@ -261,6 +261,7 @@ def test_sampling_params_validation():
         dict(min_tokens=5, max_tokens=4),
         dict(max_tokens=0),
         dict(n=0),
+        dict(skip_special_tokens=None),
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -108,22 +108,61 @@ def test_generate_invalid_argument(stub, sampling, prompt, needle):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
 
 
+def failed_count(core, reason: str) -> float:
+    v = core.metrics.registry.get_sample_value("xlaserve:request_failure_total",
+                                               {"model_name": MODEL_NAME, "reason": reason})
+    return v or 0.0
+
+
 def test_deadline_and_cancel_abort_the_request(stub, server):
     core = server.core
     sp = pb.SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
-    aborted = finished_count(core, "abort")
-    # the engine makes no step until the server cancels: the deadline expires mid-way, however fast
-    with steps_held_until_cancel(server), pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=0.3))
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    server.call(core.wait_idle(), timeout=30)
-    assert finished_count(core, "abort") == aborted + 1
+    aborted, late = finished_count(core, "abort"), failed_count(core, "deadline")
+    # the engine makes no step until the server cancels: the deadline expires mid-way, however fast.
+    # Each request counts once: the deadline as a failure, not also as a finish by its cancel's abort.
+    for _ in range(3):
+        with steps_held_until_cancel(server), pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=0.3))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        server.call(core.wait_idle(), timeout=30)
+    assert (finished_count(core, "abort"), failed_count(core, "deadline")) == (aborted, late + 3)
     call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30)
     next(call)
     with steps_held_until_cancel(server):
         call.cancel()
     server.call(core.wait_idle(), timeout=30)
-    assert finished_count(core, "abort") == aborted + 2 and core.in_flight == 0
+    assert finished_count(core, "abort") == aborted + 1 and failed_count(core, "deadline") == late + 3
+    assert core.in_flight == 0
+
+
+def test_keep_special_tokens(stub, server):
+    # stories260K's tokenizer has BOS (1) and EOS (2) as special tokens; EOS is forced here
+    sp = pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={2: 100.0})
+    for keep in (False, True):
+        text, ids, _, _ = collect(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp, keep_special_tokens=keep),
+                                                timeout=30))
+        assert ids[0] == [2, 2, 2]
+        assert text[0] == server.engine.tokenizer.decode([2, 2, 2], skip_special_tokens=not keep)
+        assert bool(text[0]) is keep
+
+
+@pytest.mark.parametrize("rid", ["\u00fc", "nl\nid", "a b", "x" * 257])
+def test_generate_refuses_a_bad_request_id(stub, server, rid):
+    before = failed_count(server.core, "invalid")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(request_id=rid, text=PROMPT, sampling=pb.SamplingParams(max_tokens=2)),
+                           timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id must be 1 to 256 printable" in e.value.details()
+    assert failed_count(server.core, "invalid") == before + 1 and server.core.in_flight == 0
+
+
+def test_generate_with_a_request_id(stub, server):
+    sp = pb.SamplingParams(temperature=0, max_tokens=2)
+    for _ in range(2):  # the id is free again once its request ended
+        call = stub.Generate(pb.GenerateRequest(request_id="client-7:a/b", text=PROMPT, sampling=sp), timeout=30)
+        responses = list(call)
+        assert dict(call.initial_metadata())["x-request-id"] == "client-7:a/b"
+        assert {r.request_id for r in responses} == {"client-7:a/b"}
 
 
 def test_tokenize_and_model_info(stub, server):

@@ -159,6 +159,18 @@ def test_logit_bias(client, server):
     assert first_ids and banned.choices[0].logprobs.tokens[0] != first
 
 
+def test_skip_special_tokens(client, server):
+    """vLLM's skip_special_tokens: false keeps special tokens (EOS here, forced) in the text."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"2": 100})
+    for skip in (True, False):
+        r = client.completions.create(**args, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        assert r.choices[0].text == server.engine.tokenizer.decode([2, 2, 2], skip_special_tokens=skip)
+        assert bool(r.choices[0].text) is not skip
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args, extra_body={"skip_special_tokens": "no"})
+    assert "skip_special_tokens" in str(e.value)
+
+
 def test_completion_batch_of_prompts(client, server):
     """A list of prompts is one request: choice i * n + j is sample j of prompt i, each the text the
     prompt gets alone; usage adds the prompts up; the stream carries the same texts."""

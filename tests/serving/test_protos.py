@@ -44,5 +44,7 @@ def test_sampling_params_message_covers_every_field():
 
     proto_fields = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
     # output_kind is how the server reads the engine's outputs (ServingCore asks for deltas), not a
-    # client's choice: a stream sends only new tokens whatever the request
-    assert {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"} <= proto_fields
+    # client's choice: a stream sends only new tokens whatever the request. skip_special_tokens is
+    # the request's keep_special_tokens (negated: proto3's default false keeps vLLM's default).
+    assert {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind", "skip_special_tokens"} <= proto_fields
+    assert "keep_special_tokens" in {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields}
