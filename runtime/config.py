@@ -110,6 +110,9 @@ class EngineConfig:
         for name in ("num_pages", "max_model_len", "gpu_cublas_min_tokens"):
             _check_int(self, name, minimum=1, optional=True)
         _check_int(self, "unroll_burst_max_seqs", minimum=0, optional=True)
+        _check_int(self, "seed", minimum=0, optional=False)
+        if self.seed >= 2**63:  # (numpy's and JAX's generators take it as a signed 64-bit int)
+            raise ValueError(f"seed must be < 2**63, got {self.seed}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"

@@ -333,22 +333,23 @@ class Engine:
         from any thread."""
         cfg = self.config
         V = self.model.config.vocab_size
+        who = f"request {request_id!r}: " if request_id else ""  # (as the scheduler's messages name it)
         if prompt_ids and max(prompt_ids) >= V:
             bad = next(t for t in prompt_ids if t >= V)
-            raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {V} ids")
+            raise ValueError(f"{who}prompt token id {bad} is out of range; the vocabulary has {V} ids")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs {cfg.max_logprobs}")
+            raise ValueError(f"{who}logprobs {params.logprobs} exceeds max_logprobs {cfg.max_logprobs}")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
+            raise ValueError(f"{who}stop strings need a tokenizer; this engine has none")
         for what, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ())):
             bad = next((t for t in ids if t >= V), None)
             if bad is not None:
-                raise ValueError(f"{what} {bad} is out of range; the vocabulary has {V} ids")
+                raise ValueError(f"{who}{what} {bad} is out of range; the vocabulary has {V} ids")
         if params.min_tokens > 0:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             if len(banned) > cfg.max_stop_token_ids:
                 raise ValueError(
-                    f"min_tokens needs {len(banned)} EOS and stop token ids banned; max_stop_token_ids is "
+                    f"{who}min_tokens needs {len(banned)} EOS and stop token ids banned; max_stop_token_ids is "
                     f"{cfg.max_stop_token_ids}"
                 )
         # The scheduler's own limits (max_model_len, pool size); raises with both numbers.
@@ -494,8 +495,9 @@ class Engine:
             if seq.detok is not None:
                 before = len(seq.text)
                 seq.text += seq.detok.step(token)
-                if seq.group.params.stop:
-                    hit = _find_stop(seq.text, seq.group.params.stop, before)
+                params = seq.group.params
+                if params.stop and len(seq.output_ids) > params.min_tokens:  # (as in vLLM: none before min_tokens)
+                    hit = _find_stop(seq.text, params.stop, before)
                     if hit is not None:
                         idx, stop = hit
                         seq.text = seq.text[:idx]

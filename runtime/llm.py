@@ -172,8 +172,12 @@ class LLM:
         tokens = 0
         while unchecked and (not first_step or self._room(len(todo), tokens)):
             i, (p, sp) = unchecked.popleft()
-            text, prompt_ids = engine.prepare_prompt(p)
-            engine.validate(prompt_ids, sp, request_id=f"prompt {i}")
+            rid = f"prompt {i}"  # (named in the errors as Engine.validate names a request)
+            try:
+                text, prompt_ids = engine.prepare_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"request {rid!r}: {e}") from None
+            engine.validate(prompt_ids, sp, request_id=rid)
             todo.append((prompt_ids, text, sp))
             tokens += len(prompt_ids)
 

@@ -45,6 +45,10 @@ class SamplingParams:
     per step; "delta" sends only what is new (streaming servers); "final_only" sends nothing until
     the end. The final output (finished=True) is always cumulative.
 
+    min_tokens: no EOS, stop token id or stop string ends a sequence before it has that many
+    tokens (EOS and stop token ids are banned from sampling until then; stop strings are looked
+    for from the next token on), as in vLLM. stop and stop_token_ids take None for none.
+
     skip_special_tokens (vLLM's name and default) leaves the tokenizer's special tokens (BOS, EOS,
     chat markers such as <|im_end|>) out of the output text; their ids stay in token_ids. Stop
     strings are matched against the text as produced, so with False they can match those markers.
@@ -70,10 +74,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # Copies, so that a caller mutating its list cannot change a submitted request.
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        # Copies, so that a caller mutating its list cannot change a submitted request (None: none, as in vLLM).
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", [_token_id(t, "stop_token_ids") for t in self.stop_token_ids])
+        object.__setattr__(self, "stop_token_ids", [_token_id(t, "stop_token_ids") for t in self.stop_token_ids or ()])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
@@ -86,6 +90,11 @@ class SamplingParams:
     def _validate(self) -> None:
         def fail(msg: str) -> None:
             raise ValueError(msg)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                fail(f"{name} must be a number, got {v!r}")
 
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             fail(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -110,7 +119,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 fail(f"stop strings must be non-empty strings, got {s!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             fail(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None:
             if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

@@ -159,6 +159,11 @@ class Tokenizer:
         encode a rendered chat template with `add_special_tokens=False`, as it writes BOS itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str; got {type(text).__name__}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800", e.g. from a JSON escape)
+                raise ValueError(f"text is not valid Unicode: {e.reason} at index {e.start}") from None
         ids = self._encoder.encode(text)
         if add_special_tokens:
             if self._add_bos:

@@ -165,6 +165,8 @@ def cmd_generate(args) -> int:
     from sharding.mesh import MeshConfig
 
     # checked before the model loads: a bad flag fails in a moment, not after the load
+    if args.chat and args.prompt_ids is not None:
+        raise ValueError("--chat wraps --prompt text in the chat template; it cannot be used with --prompt-ids")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
     mesh = MeshConfig(tensor=args.tensor)
@@ -191,8 +193,9 @@ def cmd_generate(args) -> int:
                          f"model's context of {loaded.config.max_position_embeddings}")
     chunk = min(_bucket(len(prompt_ids)), 512)  # longer prompts prefill in chunks of 512
     llm = LLM(loaded, tokenizer=tok, mesh=mesh, max_num_seqs=1, max_num_batched_tokens=chunk,
-              token_buckets=tuple(sorted({16, chunk})), seq_buckets=(1,), max_model_len=_bucket(total),
-              seed=args.seed, progress=not args.json, decode_steps=1)  # (bursts: 3 more programs to compile)
+              token_buckets=tuple(sorted({16, chunk})), seq_buckets=(1,),
+              max_model_len=min(_bucket(total), loaded.config.max_position_embeddings),
+              progress=not args.json, decode_steps=1)  # (bursts: 3 more programs to compile)
     out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     res = out.outputs[0]
     text = res.text if tok is not None else ""

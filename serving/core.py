@@ -255,7 +255,10 @@ class ServingCore:
         if len(text) > self.config.max_prompt_chars:
             raise InvalidRequest(f"prompt has {len(text)} characters; max_prompt_chars is "
                                  f"{self.config.max_prompt_chars}", param="prompt")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special)
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special)
+        except ValueError as e:  # text that is not valid Unicode
+            raise InvalidRequest(f"prompt: {e}", param="prompt") from None
         if not ids:
             raise InvalidRequest("prompt has 0 tokens; at least 1 is needed", param="prompt")
         return ids

@@ -84,6 +84,27 @@ def test_stop_string_truncates_text_and_streams_held_back(llm):
     engine.check_invariants()
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As stop token ids are banned until min_tokens, a stop string ends a sequence only from the
+    token after min_tokens on (vLLM's rule): an earlier match is passed over."""
+    tok = llm.tokenizer
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0].outputs[0]
+    prompt_ids = tok.encode(PROMPTS[0])
+
+    def text_of(k):  # the output text of the first k tokens, as the engine streams it
+        return tok.decode(prompt_ids + base.token_ids[:k])[len(tok.decode(prompt_ids)):]
+
+    first = base.text.index(",")
+    k = next(k for k in range(1, 60) if len(text_of(k)) > first)  # the token that writes the first ","
+    later = base.text.index(",", len(text_of(k)))
+    for min_tokens, cut in ((0, first), (k - 1, first), (k, later)):
+        c = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[","],
+                                                    min_tokens=min_tokens))[0].outputs[0]
+        assert (c.text, c.finish_reason, c.stop_reason) == (base.text[:cut], "stop", ","), min_tokens
+        assert len(c.token_ids) > min_tokens
+    llm.engine.check_invariants()
+
+
 def test_output_kinds_carry_the_same_sequence(llm):
     """cumulative, delta and final_only outputs of one request (n=2, logprobs, a stop string held
     back while streaming) add up to the same final output; the prompt list is shared, not copied."""
@@ -177,6 +198,19 @@ def test_bad_prompt_raises_before_anything_runs(llm):
         llm.generate(PROMPTS + ["One day"] + ["word " * 400], SamplingParams(max_tokens=4))
     after = llm.engine.stats()
     assert (after.num_requests, after.num_steps) == (before.num_requests, before.num_steps)
+    # every error names its prompt, whichever check refuses it
+    sp = SamplingParams(max_tokens=4)
+    for prompts, params, needle in (
+        (["a", []], sp, "request 'prompt 1': prompt has 0 tokens"),
+        (["a", "b", [5, 600]], sp, "request 'prompt 2': prompt token id 600 is out of range"),
+        (["bad \ud800"], sp, "request 'prompt 0': text is not valid Unicode"),
+        (["a", "b"], [sp, SamplingParams(logprobs=30)], "request 'prompt 1': logprobs 30 exceeds max_logprobs 20"),
+        (["a", "b"], [sp, SamplingParams(stop_token_ids=[600])], "request 'prompt 1': stop token id 600 is out"),
+    ):
+        with pytest.raises(ValueError) as e:
+            llm.generate(prompts, params)
+        assert needle in str(e.value)
+    assert not llm.engine.has_unfinished()
 
 
 def test_prompts_past_the_first_step_are_checked_while_it_runs(llm):

@@ -262,9 +262,15 @@ def test_sampling_params_validation():
         dict(max_tokens=0),
         dict(n=0),
         dict(skip_special_tokens=None),
+        dict(min_tokens=True),
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match=f"{name} must be a number, got '1'"):
+            SamplingParams(**{name: "1"})
+    none = SamplingParams(stop=None, stop_token_ids=None)  # vLLM's spelling of "none"
+    assert none.stop == [] and none.stop_token_ids == []
     with pytest.raises(AttributeError):
         p.temperature = 0.5
 

@@ -80,6 +80,12 @@ def test_engine_config_defaults_and_validation():
     for bad in (1, "yes"):
         with pytest.raises(ValueError, match=f"warmup_runs must be None, True or False, got {bad!r}"):
             EngineConfig(warmup_runs=bad)
+    assert EngineConfig(seed=2**63 - 1).seed == 2**63 - 1
+    for bad in (-1, None, "7", True):  # (numpy's generator refused -1 only after the model had loaded)
+        with pytest.raises(ValueError, match=f"seed must be an int >= 0, got {bad!r}"):
+            EngineConfig(seed=bad)
+    with pytest.raises(ValueError, match="seed must be < 2\\*\\*63"):
+        EngineConfig(seed=2**63)
 
 
 def test_packer_marks_the_in_flight_token_in_penalty_histories():

@@ -1,6 +1,8 @@
 """`xlaserve generate` / `convert` as a user runs them (subprocess, real console script)."""
 
 import json
+import shutil
+import struct
 import subprocess
 import sys
 
@@ -46,8 +48,29 @@ def test_generate_text_prompt_and_convert_roundtrip(tmp_path):
     # sampling flags are checked before the model loads (this one does not exist)
     (["generate", "--model", "/no/such/model", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["generate", "--model", "/no/such/model", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "--model", "/no/such/model", "--chat", "--prompt-ids", "1"], "cannot be used with --prompt-ids"),
 ])
 def test_bad_input_gives_one_clear_line(args, message):
     r = xlaserve(*args)
     assert r.returncode != 0 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_generate_on_a_context_that_is_not_a_power_of_two(tmp_path):
+    """The engine is sized to the prompt + --max-tokens rounded up to a power of two, but never past
+    the model's context: stories260K cut to a context of 300 runs 1 + 270 tokens."""
+    src = shared_data_dir() / "stories260k"
+    data = bytearray((src / "stories260K.bin").read_bytes())
+    dim, _, _, n_heads, _, _, seq_len = struct.unpack_from("<7i", data)
+    assert seq_len == 512
+    struct.pack_into("<i", data, 24, 300)
+    # llama2.c's legacy RoPE tables end the file: seq_len x head_size / 2 floats, twice
+    cut = (seq_len - 300) * (dim // n_heads // 2) * 2 * 4
+    (tmp_path / "stories260K.bin").write_bytes(data[:-cut])
+    shutil.copy(src / "tok512.bin", tmp_path / "tok512.bin")
+    r = xlaserve("generate", "--model", str(tmp_path / "stories260K.bin"), "--prompt-ids", "1", "--max-tokens", "270",
+                 "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 270 or out["finish_reason"] == "stop"
+    assert out["text"].startswith(GOLDEN_START)

@@ -159,6 +159,14 @@ def test_logit_bias(client, server):
     assert first_ids and banned.choices[0].logprobs.tokens[0] != first
 
 
+def test_prompt_with_a_lone_surrogate(server):
+    # JSON may escape one half of a surrogate pair alone ("\\ud800"); no UTF-8 text has it
+    body = '{"model": "%s", "prompt": "bad \\ud800", "max_tokens": 2}' % MODEL_NAME
+    r = httpx.post(server.http_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "prompt: text is not valid Unicode" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt"
+
+
 def test_skip_special_tokens(client, server):
     """vLLM's skip_special_tokens: false keeps special tokens (EOS here, forced) in the text."""
     args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"2": 100})
