@@ -34,23 +34,54 @@ class RopeScaling:
             )
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any] | None) -> RopeScaling | None:
+    def from_hf(cls, d: dict[str, Any] | None, key: str = "rope_scaling") -> RopeScaling | None:
+        """From a HF config's `rope_scaling` (or `rope_parameters`) dict; `key` names it in errors."""
         if not d:
             return None
+        if not isinstance(d, dict):
+            raise ValueError(f"config key {key!r} is {d!r}; it must be an object (or null)")
         kind = d.get("rope_type", d.get("type"))
         if kind in (None, "default"):
             return None
         if kind == "linear":
-            return cls("linear", float(d["factor"]))
+            return cls("linear", _hf_number(d, "factor", float, prefix=key))
         if kind == "llama3":
             return cls(
                 "llama3",
-                float(d["factor"]),
-                float(d.get("low_freq_factor", 1.0)),
-                float(d.get("high_freq_factor", 4.0)),
-                int(d.get("original_max_position_embeddings", 8192)),
+                _hf_number(d, "factor", float, prefix=key),
+                _hf_number(d, "low_freq_factor", float, 1.0, prefix=key),
+                _hf_number(d, "high_freq_factor", float, 4.0, prefix=key),
+                _hf_number(d, "original_max_position_embeddings", int, 8192, prefix=key),
             )
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        type_key = "rope_type" if "rope_type" in d else "type"
+        raise ValueError(f"config key '{key}.{type_key}' is {kind!r}; supported: default, linear, llama3")
+
+
+_REQUIRED = object()
+
+
+def _hf_number(d: dict[str, Any], key: str, kind: type = int, default: Any = _REQUIRED, *, prefix: str = ""):
+    """d[key] as a positive int (kind=int; 64.0 is accepted as 64) or a positive finite float;
+    `default` where the key is absent or null. prefix: the enclosing key, for the error message."""
+    name = f"{prefix}.{key}" if prefix else key
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config key {name!r} is {'null' if key in d else 'missing'}; it is required")
+        return default
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not (number and v > 0 and (kind is float or float(v).is_integer())):
+        raise ValueError(f"config key {name!r} is {v!r}; it must be a positive {'integer' if kind is int else 'number'}")
+    return kind(v)
+
+
+def _hf_bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"config key {key!r} is {v!r}; it must be true or false")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +113,15 @@ class ModelConfig:
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
+        mpe = self.max_position_embeddings
+        if not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0:
+            raise ValueError(f"ModelConfig.max_position_embeddings must be a positive int, got {mpe!r}")
+        for f in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"ModelConfig.{f} must be a positive number, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -113,41 +151,53 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, d: dict[str, Any], name: str | None = None) -> ModelConfig:
-        """Build from a HF `config.json` dict of a Llama/Mistral/Qwen2/Qwen3 model."""
+        """Build from a HF `config.json` dict of a Llama/Mistral/Qwen2/Qwen3 model. Every key is
+        checked for type and range here, so a bad one is named (ValueError) rather than failing later."""
+        if not isinstance(d, dict):
+            raise ValueError(f"the config is a JSON {type(d).__name__}; it must be an object of config keys")
         archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"config key 'architectures' is {archs!r}; it must be a list of class names")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        try:
-            D = int(d["hidden_size"])
-            N = int(d["num_attention_heads"])
-            head_dim = d.get("head_dim") or D // N
-            sliding = d.get("sliding_window")
-            if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
-                sliding = None  # Qwen configs carry a window size that is off unless use_sliding_window
-            return cls(
-                name=name or d.get("_name_or_path") or d.get("model_type", "model"),
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=D,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=N,
-                num_kv_heads=int(d.get("num_key_value_heads") or N),
-                head_dim=int(head_dim),
-                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=RopeScaling.from_hf(d.get("rope_scaling") or d.get("rope_parameters")),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                sliding_window=int(sliding) if sliding else None,
-                architecture=arch,
-            )
-        except KeyError as e:
-            raise ValueError(f"HF config is missing required key {e.args[0]!r}") from None
+        D = _hf_number(d, "hidden_size")
+        N = _hf_number(d, "num_attention_heads")
+        K = _hf_number(d, "num_key_value_heads", int, N)
+        if N % K:
+            raise ValueError(f"config key 'num_attention_heads' is {N}; it must be a multiple of num_key_value_heads ({K})")
+        head_dim = _hf_number(d, "head_dim", int, None) or D // N  # transformers' default, floored as there
+        sliding = d.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
+            sliding = None  # Qwen configs carry a window size that is off unless use_sliding_window
+        rope_params = d.get("rope_parameters")  # transformers 5: rope_theta and the scaling in one dict
+        if rope_params is not None and not isinstance(rope_params, dict):
+            raise ValueError(f"config key 'rope_parameters' is {rope_params!r}; it must be an object (or null)")
+        rope_theta = _hf_number(d, "rope_theta", float, None)
+        if rope_theta is None:
+            rope_theta = _hf_number(rope_params or {}, "rope_theta", float, 10000.0, prefix="rope_parameters")
+        scaling_key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        return cls(
+            name=name or d.get("_name_or_path") or d.get("model_type", "model"),
+            vocab_size=_hf_number(d, "vocab_size"),
+            hidden_size=D,
+            intermediate_size=_hf_number(d, "intermediate_size"),
+            num_layers=_hf_number(d, "num_hidden_layers"),
+            num_heads=N,
+            num_kv_heads=K,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=RopeScaling.from_hf(d.get(scaling_key), scaling_key),
+            rms_norm_eps=_hf_number(d, "rms_norm_eps", float, 1e-5),
+            max_position_embeddings=_hf_number(d, "max_position_embeddings", int, 4096),
+            tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
+            attention_bias=_hf_bool(d, "attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_hf_number(d, "sliding_window", int, None) if sliding else None,
+            architecture=arch,
+        )
 
 
 SUPPORTED_ARCHITECTURES = frozenset(

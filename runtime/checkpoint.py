@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import shutil
+import tempfile
 from functools import cached_property
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
 from pallas_kernels.dispatch import kv_pool_dtype, select_attention_impl, select_gemm_impl
-from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan
+from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan, unused_tensors
 from sharding.mesh import MeshConfig, mesh_axis_size
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
 
@@ -102,9 +103,13 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype, checkpoint_dtype) -> jnp.dtype:
-    """`auto` is the checkpoint's own float dtype; dequantized or other formats load as float32."""
+    """`auto` is the checkpoint's own float dtype, but float16 loads as bfloat16 (the engine's paged
+    attention takes float32 and bfloat16; bfloat16 is what the TPU computes in); dequantized or
+    other formats load as float32. float16 stays available by name, for the model alone."""
     if dtype in (None, "auto"):
         dt = jnp.dtype(checkpoint_dtype)
+        if dt == jnp.float16:
+            return jnp.dtype(jnp.bfloat16)
         return dt if dt in (jnp.dtype(d) for d in _DTYPES.values()) else jnp.dtype(jnp.float32)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -207,11 +212,30 @@ def _random_array(kind: str, shape: tuple[int, ...], dtype, sharding, repeat: in
     return jax.jit(make, out_shardings=sharding)
 
 
+def _check_unused(source: TensorSource, cfg: ModelConfig, plan) -> None:
+    """Fail before loading when the checkpoint holds tensors the model would not use: a config with
+    fewer layers than the weights (or without a bias they have) loads fine and generates wrong tokens.
+    Left to the loading loop when a needed tensor is missing, which is the clearer error then."""
+    names = set(source.keys())
+    if any(n not in names for tp in plan.values() for n in tp.hf_names):
+        return
+    extra = unused_tensors(cfg, plan, names)
+    if not extra:
+        return
+    layers = [int(n.split(".")[2]) for n in extra if n.startswith("model.layers.") and n.split(".")[2].isdigit()]
+    L = cfg.num_layers
+    why = (f"the weights go up to layer {max(layers)} but the config has {L} layers (0-{L - 1})"
+           if layers and max(layers) >= L else "the model config has no parameter for them")
+    shown = ", ".join(repr(n) for n in extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+    raise CheckpointError(f"{source.path}: {len(extra)} checkpoint tensors would be left unused ({shown}); {why}")
+
+
 def load_from_source(source: TensorSource, *, mesh: jax.sharding.Mesh, dtype, progress: bool = True) -> LoadedModel:
     cfg = source.config
     dtype = jnp.dtype(dtype)
     graphdef, abs_state, shardings = _model_parts(cfg, mesh, dtype)
     plan = hf_tensor_plan(cfg, kv_repeat(cfg, mesh))
+    _check_unused(source, cfg, plan)
     flat_shardings = dict(nnx.to_flat_state(shardings))
     leaves = {}
     bar = tqdm(total=len(plan), desc=f"loading {source.path.name}", unit="tensor", disable=not progress)
@@ -258,14 +282,44 @@ def _map_qkv(params: nnx.State, fn, kv_repeat: int) -> nnx.State:
                                 for path, var in nnx.to_flat_state(params)})
 
 
+def check_destination(dst: str | Path) -> Path:
+    """The absolute path of a new checkpoint directory `dst`, or an error: it must not exist, or be
+    an empty directory, and no part of its parent path may be a file."""
+    dst = Path(dst).absolute()
+    if dst.exists():
+        if not dst.is_dir():
+            raise FileExistsError(f"{dst} exists and is not a directory; refusing to overwrite")
+        if any(dst.iterdir()):
+            raise FileExistsError(f"{dst} exists and is not empty; refusing to overwrite")
+    for parent in dst.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is a file; {dst} cannot be created under it")
+            break
+    return dst
+
+
 def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
-    """Write params (Orbax), config and tokenizer to `dst`; restorable onto any mesh."""
+    """Write params (Orbax), config and tokenizer to `dst`; restorable onto any mesh. The checkpoint
+    is written into a hidden sibling directory and renamed to `dst` when complete, so `dst` never
+    holds a partial checkpoint (an interrupted save leaves only `.DST.partial-*` beside it)."""
+    dst = check_destination(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        _write_orbax(loaded, tmp)
+        if dst.exists():  # (an empty directory: check_destination)
+            dst.rmdir()
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
     import orbax.checkpoint as ocp
 
-    dst = Path(dst).absolute()
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty; refusing to overwrite")
-    dst.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / ORBAX_STATE, _map_qkv(loaded.params, unrepeat_qkv, loaded.kv_repeat))
     meta = {"config": _config_to_json(loaded.config), "dtype": jnp.dtype(loaded.dtype).name, "source": loaded.source}
@@ -281,7 +335,6 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
         else:  # a GGUF or llama2.c tokenizer file: referenced, not copied (GGUF files are large)
             meta["tokenizer"] = str(Path(tok).absolute())
     (dst / ORBAX_CONFIG).write_text(json.dumps(meta, indent=2))
-    return dst
 
 
 def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") -> LoadedModel:
@@ -291,17 +344,24 @@ def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") ->
     try:
         meta = json.loads((path / ORBAX_CONFIG).read_text())
         cfg = _config_from_json(meta["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        saved = jnp.dtype(meta.get("dtype", "float32"))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / ORBAX_CONFIG}: not an xlaserve checkpoint config ({e})") from None
-    saved = jnp.dtype(meta.get("dtype", "float32"))
-    dtype = saved if dtype in (None, "auto") else resolve_dtype(dtype, saved)
+    dtype = resolve_dtype(dtype, saved)
     # On disk the merged qkv params have their canonical layout (kv_repeat 1; save_orbax). Restore
     # that into this mesh's shardings, then repeat them for this mesh and cast, on device.
     _, canon = nnx.split(abstract_model(cfg, dtype=saved))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           canon, state_shardings(canon, mesh, cfg))
-    with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(path / ORBAX_STATE, target)
+    state = path / ORBAX_STATE
+    if not state.is_dir():
+        raise CheckpointError(f"{path}: no {ORBAX_STATE}/ directory; an incomplete or damaged checkpoint")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(state, target)
+    except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types for damaged files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{state}: could not restore the parameters ({type(e).__name__}: {first[:300]})") from e
     graphdef, _, shardings = _model_parts(cfg, mesh, dtype)
     rep = kv_repeat(cfg, mesh)
     if rep > 1 or dtype != saved:
@@ -314,5 +374,6 @@ def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") ->
 
 def convert(src: str | Path, dst: str | Path, *, dtype="auto", progress: bool = True) -> Path:
     """`xlaserve convert SRC DST`: any supported source -> an Orbax checkpoint."""
+    check_destination(dst)  # before the load, which can take minutes
     loaded = load_model(src, dtype=dtype, progress=progress)
     return save_orbax(loaded, dst)

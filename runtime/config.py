@@ -13,7 +13,8 @@ from functools import cached_property
 
 from sharding.mesh import MeshConfig
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine's paged attention takes float32 and bfloat16 (auto: float16 checkpoints load as bfloat16).
+_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -91,7 +92,7 @@ class EngineConfig:
     unroll_burst_max_seqs: int | None = None
     max_logprobs: int = 20  # top-n logprobs a request may ask for; fixed output width of the step
     max_stop_token_ids: int = 16  # EOS + stop token ids banned while below min_tokens (fixed width)
-    dtype: str = "auto"  # weights and compute: auto (the checkpoint's), float32, bfloat16, float16
+    dtype: str = "auto"  # weights and compute: auto (the checkpoint's; float16 as bfloat16), float32, bfloat16
     kv_dtype: str | None = None  # KV pages; None: the compute dtype (f32 for 16-bit models on CPUs: kv_pool_dtype)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     seed: int = 0  # seeds of requests that bring none are drawn from this

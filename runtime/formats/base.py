@@ -7,6 +7,7 @@ mapping onto the NNX model below exists exactly once.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Protocol
 
@@ -81,6 +82,22 @@ def hf_tensor_plan(cfg: ModelConfig, kv_repeat: int = 1) -> dict[tuple, TensorPl
             lambda g, u: np.stack([g.T, u.T], axis=1))
         plan[m + ("down_proj",)] = one(p + "mlp.down_proj.weight", (D, F), T)
     return plan
+
+
+# Tensors that real checkpoints carry and the model rightly leaves unread: the RoPE inverse-frequency
+# buffers that transformers < 4.31 saved in Llama checkpoints (RoPE is computed from the config).
+_IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+
+
+def unused_tensors(cfg: ModelConfig, plan: dict[tuple, TensorPlan], names: Iterable[str]) -> list[str]:
+    """The tensors among `names` (HF names) that no param of `plan` is built from, in layer order:
+    weights the model would silently drop, e.g. layers beyond the config's num_layers, or biases
+    the config says the model does not have. Not counted: ignorable buffers, and lm_head.weight
+    beside tied embeddings (transformers ties it to the embedding and ignores the stored copy)."""
+    used = {n for tp in plan.values() for n in tp.hf_names}
+    extra = [n for n in names if n not in used and not _IGNORABLE.fullmatch(n)
+             and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    return sorted(extra, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
 
 
 def interleaved_to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:

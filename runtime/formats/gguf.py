@@ -120,13 +120,27 @@ class GGUFSource:
             return default
         return field.contents()
 
+    def _meta_number(self, key: str, kind: type = int, default=None, *, required: bool = False):
+        """A metadata value as a positive int (kind=int) or a positive finite float, else a CheckpointError
+        naming the key: int() of a string key or a head count of 0 would fail later without one."""
+        v = self._meta(key, required=required)
+        if v is None:
+            return default
+        if isinstance(v, np.generic):
+            v = v.item()
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+        if not (number and v > 0 and (kind is float or float(v).is_integer())):
+            what = "integer" if kind is int else "number"
+            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is {v!r}; it must be a positive {what}")
+        return kind(v)
+
     def _build_config(self) -> ModelConfig:
         a = self.arch
         embed = self._tensors.get("model.embed_tokens.weight")
         if embed is None:
             raise CheckpointError(f"{self.path}: GGUF has no token_embd.weight tensor")
-        D = int(self._meta(f"{a}.embedding_length", required=True))
-        N = int(self._meta(f"{a}.attention.head_count", required=True))
+        D = self._meta_number(f"{a}.embedding_length", required=True)
+        N = self._meta_number(f"{a}.attention.head_count", required=True)
         # the embedding's row count is what the weights were trained with; the token list may be
         # shorter (padded embeddings) but never longer
         V = int(embed.shape[1])
@@ -136,43 +150,56 @@ class GGUFSource:
             raise CheckpointError(
                 f"{self.path}: tokenizer has {n_tokens} tokens but token_embd.weight has only {V} rows"
             )
-        H = self._meta(f"{a}.attention.key_length") or self._meta(f"{a}.rope.dimension_count") or D // N
-        rope_dim = self._meta(f"{a}.rope.dimension_count")
-        if rope_dim is not None and int(rope_dim) != int(H):
+        rope_dim = self._meta_number(f"{a}.rope.dimension_count")
+        H = self._meta_number(f"{a}.attention.key_length") or rope_dim or D // N
+        if rope_dim is not None and rope_dim != H:
             raise CheckpointError(
                 f"{self.path}: {a}.rope.dimension_count is {rope_dim} but head_dim is {H}; partial "
                 f"rotary embeddings are not supported"
             )
-        ctx = int(self._meta(f"{a}.context_length", 4096))
-        cfg = ModelConfig(
-            name=self.path.stem,
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=int(self._meta(f"{a}.feed_forward_length", required=True)),
-            num_layers=int(self._meta(f"{a}.block_count", required=True)),
-            num_heads=N,
-            num_kv_heads=int(self._meta(f"{a}.attention.head_count_kv") or N),
-            head_dim=int(H),
-            rope_theta=_f32(self._meta(f"{a}.rope.freq_base", 10000.0)),
-            rms_norm_eps=_f32(self._meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=ctx,
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
-            attention_bias=a == "qwen2" or "model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            architecture=SUPPORTED_ARCHITECTURES[a],
-        )
+        ctx = self._meta_number(f"{a}.context_length", int, 4096)
+        K = self._meta_number(f"{a}.attention.head_count_kv", int, N)
+        if N % K:
+            raise CheckpointError(
+                f"{self.path}: GGUF metadata key '{a}.attention.head_count' is {N}; it must be a multiple of "
+                f"{a}.attention.head_count_kv ({K})"
+            )
+        F = self._meta_number(f"{a}.feed_forward_length", required=True)
+        L = self._meta_number(f"{a}.block_count", required=True)
+        theta = _f32(self._meta_number(f"{a}.rope.freq_base", float, 10000.0))
+        eps = _f32(self._meta_number(f"{a}.attention.layer_norm_rms_epsilon", float, 1e-5))
+        try:
+            cfg = ModelConfig(
+                name=self.path.stem,
+                vocab_size=V,
+                hidden_size=D,
+                intermediate_size=F,
+                num_layers=L,
+                num_heads=N,
+                num_kv_heads=K,
+                head_dim=int(H),
+                rope_theta=theta,
+                rms_norm_eps=eps,
+                max_position_embeddings=ctx,
+                tie_word_embeddings="lm_head.weight" not in self._tensors,
+                attention_bias=a == "qwen2" or "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+                architecture=SUPPORTED_ARCHITECTURES[a],
+            )
+        except ValueError as e:  # a combination of values ModelConfig rejects (e.g. an odd head_dim)
+            raise CheckpointError(f"{self.path}: GGUF metadata gives an invalid model config: {e}") from None
         return cfg.replace(rope_scaling=self._rope_scaling(cfg))
 
     def _rope_scaling(self, cfg: ModelConfig) -> RopeScaling | None:
         a = self.arch
         kind = self._meta(f"{a}.rope.scaling.type")
-        factor = self._meta(f"{a}.rope.scaling.factor")
+        factor = self._meta_number(f"{a}.rope.scaling.factor", float)
         freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None:
             # llama.cpp stores Llama 3.1's scaling as per-pair frequency divisors (rope_freqs) instead
             # of its parameters; accept them when they are exactly the llama3 rule with the
             # parameters every released Llama 3.x model uses.
             got = np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float64).reshape(-1)
-            orig = int(self._meta(f"{a}.rope.scaling.original_context_length", 8192))
+            orig = self._meta_number(f"{a}.rope.scaling.original_context_length", int, 8192)
             rs = RopeScaling("llama3", float(got.max()), 1.0, 4.0, orig)
             base = rope_inv_freq(cfg.replace(rope_scaling=None)).astype(np.float64)
             want = base / rope_inv_freq(cfg.replace(rope_scaling=rs)).astype(np.float64)
@@ -212,5 +239,7 @@ class GGUFSource:
             w = interleaved_to_half_split(w, heads)
         return w
 
-    def tokenizer_path(self) -> Path:
-        return self.path  # runtime.tokenizer builds the tokenizer from the GGUF metadata
+    def tokenizer_path(self) -> Path | None:
+        """The file itself where its metadata holds a tokenizer (runtime.tokenizer builds it from
+        `tokenizer.ggml.*`); None where it has none, as for a HF folder without tokenizer files."""
+        return self.path if "tokenizer.ggml.model" in self._reader.fields else None

@@ -23,6 +23,29 @@ _DTYPES = {
 }
 
 
+def _check_entry(path: Path, name: str, info) -> None:
+    """A header entry is {"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: safetensors header entry for tensor {name!r} is {info!r}; it must be an "
+                              f"object with dtype, shape and data_offsets")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise CheckpointError(f"{path}: safetensors header entry for tensor {name!r} has no {', '.join(missing)}")
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(info["dtype"], str):
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']!r} in the header; it must be a string")
+    if not isinstance(info["shape"], list) or not all(map(is_int, info["shape"])):
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {info['shape']!r} in the header; it must be a "
+                              f"list of non-negative integers")
+    offsets = info["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets)) and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets!r} in the header; they must be "
+                              f"[begin, end] with 0 <= begin <= end")
+
+
 class _File:
     def __init__(self, path: Path):
         self.path = path
@@ -37,7 +60,11 @@ class _File:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header is a JSON {type(header).__name__}; it must be an object")
         header.pop("__metadata__", None)
+        for name, info in header.items():
+            _check_entry(path, name, info)
         self.header, self.data_start = header, 8 + n
         end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
         if self.data_start + end > size:
@@ -80,7 +107,10 @@ class SafetensorsSource:
             hf_cfg = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
-        self.config = ModelConfig.from_hf_config(hf_cfg, name=self.path.name)
+        try:
+            self.config = ModelConfig.from_hf_config(hf_cfg, name=self.path.name)
+        except ValueError as e:
+            raise CheckpointError(f"{cfg_path}: {e}") from None
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:

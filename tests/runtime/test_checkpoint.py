@@ -1,6 +1,7 @@
 """Checkpoint loading: dummy weights, Orbax round trip, convert, and clear errors for bad input."""
 
 import json
+import re
 import struct
 
 import jax.numpy as jnp
@@ -100,6 +101,91 @@ def test_missing_tensor_names_it(hf_dir, tmp_path):
         load_model(d, progress=False)
 
 
+def test_weights_for_more_layers_than_the_config_are_an_error(hf_dir, tmp_path):
+    d = _copy(hf_dir, tmp_path / "fewer")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = BASE["num_hidden_layers"] - 1  # the weights have one layer more
+    (d / "config.json").write_text(json.dumps(cfg))
+    last = BASE["num_hidden_layers"] - 1
+    with pytest.raises(CheckpointError, match=rf"fewer: 9 checkpoint tensors would be left unused \('model\.layers\.{last}"
+                                              rf"\.input_layernorm\.weight', .*up to layer {last} but the config has "
+                                              rf"{last} layers"):
+        load_model(d, progress=False)
+
+
+def test_tensor_the_model_has_no_parameter_for_is_an_error(hf_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(hf_dir, tmp_path / "bias")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(BASE["hidden_size"], np.float32)  # attention_bias is off
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"bias: 1 checkpoint tensors would be left unused "
+                                              r"\('model\.layers\.0\.self_attn\.o_proj\.bias'\); the model config has no"):
+        load_model(d, progress=False)
+
+
+def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
+    """transformers < 4.31 saved RoPE inv_freq buffers in Llama checkpoints, and tied models may store
+    lm_head.weight beside the embedding (transformers ignores it): both load as if absent."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(hf_dir / "model.safetensors")
+    cfg = json.loads((hf_dir / "config.json").read_text()) | {"tie_word_embeddings": True}
+
+    def write(name, tensors):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    inv_freq = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32)
+                for i in range(BASE["num_hidden_layers"])}
+    extras = write("extras", tensors | inv_freq)
+    plain = write("plain", {k: v for k, v in tensors.items() if k != "lm_head.weight"})
+    prompt = np.random.default_rng().integers(0, BASE["vocab_size"], 12).tolist()
+    got = greedy_generate(load_model(extras, dtype="float32", progress=False), prompt, 1).prompt_logits
+    want = greedy_generate(load_model(plain, dtype="float32", progress=False), prompt, 1).prompt_logits
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_attention_heads", 0, "config key 'num_attention_heads' is 0; it must be a positive integer"),
+    ("hidden_size", None, "config key 'hidden_size' is null; it is required"),
+    ("hidden_size", "sixtyfour", "config key 'hidden_size' is 'sixtyfour'; it must be a positive integer"),
+    ("max_position_embeddings", -5, "config key 'max_position_embeddings' is -5; it must be a positive integer"),
+    ("rope_scaling", "linear", "config key 'rope_scaling' is 'linear'; it must be an object (or null)"),
+    ("rope_scaling", {"rope_type": "linear"}, "config key 'rope_scaling.factor' is missing; it is required"),
+    ("tie_word_embeddings", "false", "config key 'tie_word_embeddings' is 'false'; it must be true or false"),
+    (None, [1, 2], "the config is a JSON list; it must be an object of config keys"),
+])
+def test_bad_config_value_names_file_and_key(hf_dir, tmp_path, key, value, message):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(value if key is None else cfg | {key: value}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{d / 'config.json'}: {message}")):
+        load_model(d, progress=False)
+
+
+@pytest.mark.parametrize("entry, message", [
+    (5, "header entry for tensor 'model.embed_tokens.weight' is 5; it must be an object"),
+    ({"dtype": "F32", "shape": [2]}, "header entry for tensor 'model.embed_tokens.weight' has no data_offsets"),
+    ({"shape": [2], "data_offsets": [0, 8]}, "header entry for tensor 'model.embed_tokens.weight' has no dtype"),
+    ({"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}, "tensor 'model.embed_tokens.weight' has shape ['2']"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "tensor 'model.embed_tokens.weight' has data_offsets [8, 0]"),
+])
+def test_corrupt_safetensors_header_entry_names_file_and_tensor(hf_dir, tmp_path, entry, message):
+    d = tmp_path / "entry"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    header = json.dumps({"model.embed_tokens.weight": entry}).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError, match=re.escape(f"{d / 'model.safetensors'}: ") + ".*" + re.escape(message)):
+        load_model(d, progress=False)
+
+
 def test_unsupported_architecture(hf_dir, tmp_path):
     d = _copy(hf_dir, tmp_path / "arch")
     cfg = json.loads((d / "config.json").read_text())
@@ -134,3 +220,77 @@ def test_restore_rejects_a_bad_config(tmp_path):
     (tmp_path / "xlaserve_config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="not an xlaserve checkpoint config"):
         restore_orbax(tmp_path, mesh=MeshConfig().make_mesh())
+
+
+def test_float16_checkpoints_load_as_bfloat16_and_the_engine_refuses_float16(tmp_path):
+    """The engine's paged attention takes float32 and bfloat16: auto loads a float16 checkpoint as
+    bfloat16 (it failed to compile before); float16 by name is the model's alone."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    make_hf_checkpoint("llama3_rope_scaling", tmp_path / "f32").half().save_pretrained(tmp_path / "f16")
+    auto = load_model(tmp_path / "f16", progress=False)
+    exact = load_model(tmp_path / "f16", dtype="float32", progress=False)  # the float16 values, widened
+    assert auto.dtype == jnp.bfloat16
+    w, ref = auto.params["layers"][0]["mlp"]["down_proj"][...], exact.params["layers"][0]["mlp"]["down_proj"][...]
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(ref.astype(jnp.bfloat16)))
+    small = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, progress=False, warmup=False)
+    Engine(auto, small).close()
+    with pytest.raises(ValueError, match="the engine runs float32 and bfloat16 models; this one is float16"):
+        Engine(load_model(tmp_path / "f16", dtype="float16", progress=False), small)
+    with pytest.raises(ValueError, match="dtype 'float16' is not supported"):
+        EngineConfig(dtype="float16")
+
+
+def test_convert_checks_the_destination_before_loading(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("data")
+    # the source does not exist either: the destination's error comes first, before any load
+    for dst, err, needle in ((tmp_path / "afile", FileExistsError, "is not a directory"),
+                             (tmp_path / "afile" / "sub", NotADirectoryError, "is a file"),
+                             (tmp_path / "full", FileExistsError, "not empty")):
+        with pytest.raises(err, match=needle):
+            convert(tmp_path / "no-such-source", dst, progress=False)
+    assert (tmp_path / "full" / "keep").read_text() == "data" and (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_failed_save_leaves_no_partial_checkpoint(hf_dir, tmp_path, monkeypatch):
+    import runtime.checkpoint as ckpt
+
+    write = ckpt._write_orbax
+
+    def fail_midway(loaded, dst):
+        write(loaded, dst)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_orbax", fail_midway)
+    (tmp_path / "empty").mkdir()
+    for dst in (tmp_path / "new", tmp_path / "empty"):
+        with pytest.raises(OSError, match="disk full"):
+            convert(hf_dir, dst, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+    monkeypatch.setattr(ckpt, "_write_orbax", write)
+    assert convert(hf_dir, tmp_path / "empty", progress=False) == tmp_path / "empty"  # an empty directory is used
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    load_model(tmp_path / "empty")
+
+
+def test_restore_names_a_damaged_checkpoint(hf_dir, tmp_path):
+    import shutil
+
+    dst = convert(hf_dir, tmp_path / "orbax", progress=False)
+    meta = json.loads((dst / "xlaserve_config.json").read_text())
+    mesh = MeshConfig().make_mesh()
+    (dst / "xlaserve_config.json").write_text(json.dumps({**meta, "dtype": "float99"}))
+    with pytest.raises(CheckpointError, match="not an xlaserve checkpoint config"):
+        restore_orbax(dst, mesh=mesh)
+    (dst / "xlaserve_config.json").write_text(json.dumps(meta))
+    data = [p for p in (dst / "state").rglob("*") if p.is_file() and p.stat().st_size > 1000]
+    for p in data:
+        p.write_bytes(p.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="could not restore the parameters"):
+        restore_orbax(dst, mesh=mesh)
+    shutil.rmtree(dst / "state")
+    with pytest.raises(CheckpointError, match="no state/ directory"):
+        restore_orbax(dst, mesh=mesh)

@@ -4,6 +4,7 @@ transformers, SmolLM2-135M (a real Q4_1 GGUF) matches HF's GGUF loader, bad file
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -341,6 +342,39 @@ def test_token_list_longer_than_embedding(tmp_path):
     with pytest.raises(CheckpointError, match=rf"tokenizer has {len(pieces)} tokens but token_embd.weight has only "
                                               rf"{hp['vocab_size']} rows"):
         GGUFSource(tmp_path / "vocab.gguf")
+
+
+def test_tensors_for_more_blocks_than_block_count_are_an_error(tmp_path):
+    hp, tensors = tiny_tensors()  # blocks 0 and 1
+    path = tmp_path / "blocks.gguf"
+    write_gguf(path, "llama", hp | {"num_hidden_layers": 1}, tensors)
+    with pytest.raises(CheckpointError, match=r"blocks.gguf: 9 checkpoint tensors would be left unused "
+                                              r"\('model\.layers\.1\.input_layernorm\.weight', .*up to layer 1 but "
+                                              r"the config has 1 layers"):
+        load_model(path, progress=False)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.attention.head_count", ("add_uint32", 0), "is 0; it must be a positive integer"),
+    ("llama.attention.head_count_kv", ("add_uint32", 0), "is 0; it must be a positive integer"),
+    ("llama.embedding_length", ("add_string", "abc"), "is 'abc'; it must be a positive integer"),
+    ("llama.context_length", ("add_int32", -5), "is -5; it must be a positive integer"),
+    ("llama.rope.freq_base", ("add_float32", -1.0), "is -1.0; it must be a positive number"),
+])
+def test_bad_metadata_value_names_file_and_key(tmp_path, key, value, message):
+    hp, tensors = tiny_tensors()
+    path = tmp_path / "badmeta.gguf"
+    write_gguf(path, "llama", hp, tensors, meta={key: value})  # overwrites the value write_gguf set
+    with pytest.raises(CheckpointError, match=re.escape(f"badmeta.gguf: GGUF metadata key {key!r} {message}")):
+        GGUFSource(path)
+
+
+def test_tokenizer_path_only_where_the_metadata_has_a_tokenizer(tmp_path):
+    hp, tensors = tiny_tensors()
+    write_gguf(tmp_path / "notok.gguf", "llama", hp, tensors)
+    assert load_model(tmp_path / "notok.gguf", progress=False).tokenizer_path is None  # so --prompt-ids works
+    write_gguf(tmp_path / "tok.gguf", "llama", hp, tensors, meta={"tokenizer.ggml.model": ("add_string", "llama")})
+    assert GGUFSource(tmp_path / "tok.gguf").tokenizer_path() == tmp_path / "tok.gguf"
 
 
 def test_missing_file(tmp_path):
