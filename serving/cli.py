@@ -96,7 +96,7 @@ _SERVE_FLAGS = [
     ("--drain-timeout", "server", "drain_timeout_s", dict(type=float, help="seconds in-flight requests get on SIGTERM")),
     ("--status-interval", "server", "status_interval_s", dict(type=float, help="status log period; 0: off")),
     ("--log-level", "server", "log_level", dict(choices=["debug", "info", "warning", "error"])),
-    ("--dtype", "engine", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    ("--dtype", "engine", "dtype", dict(choices=["auto", "float32", "bfloat16"])),
     ("--replica", "engine", "mesh.replica",
      dict(type=int, help="replicas: an engine per replica on its own devices, each with max_num_seqs sequences "
                          "and its own KV pool")),
@@ -144,12 +144,16 @@ def _serve_settings(args):
 def cmd_serve(args) -> int:
     import logging
 
+    from serving.errors import BindError
     from serving.server import run
 
     settings = _serve_settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = settings.model or str(default_model_path())
-    return run(settings, model)
+    try:
+        return run(settings, model)
+    except BindError as e:  # a port in use or a host not of this machine: the user's to fix, like a bad flag
+        return _user_error(e)
 
 
 def _bucket(n: int) -> int:
@@ -185,8 +189,12 @@ def cmd_generate(args) -> int:
         else:
             prompt_ids = tok.encode(text)
     bad = [i for i in prompt_ids if not 0 <= i < loaded.config.vocab_size]
-    if bad:
+    if bad and args.prompt_ids is not None:
         raise SystemExit(f"--prompt-ids has ids outside the vocabulary [0, {loaded.config.vocab_size}): {bad[:5]}")
+    if bad:  # text the model's own tokenizer encoded: the two do not belong together
+        flag = "--prompt" if args.prompt is not None else "the default prompt"
+        raise SystemExit(f"{flag} encodes to ids outside the model's vocabulary [0, {loaded.config.vocab_size}): "
+                         f"{bad[:5]}; the tokenizer ({tok.vocab_size} tokens) does not match the model")
     total = len(prompt_ids) + args.max_tokens
     if total > loaded.config.max_position_embeddings:
         raise SystemExit(f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
@@ -232,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (FileNotFoundError, FileExistsError, ValueError) as e:  # user errors: one clear line, no traceback
-        print(f"xlaserve: error: {e}", file=sys.stderr)
-        return 2
+        return _user_error(e)
+
+
+def _user_error(e: BaseException) -> int:
+    print(f"xlaserve: error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import yaml
 # little more (docs/serving.md, "Decode bursts and latency").
 SERVE_DECODE_STEPS = 4
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # ServerConfig.log_level, the names logging knows
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -54,11 +56,28 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "api_keys", tuple(self.api_keys or ()))
+        keys = self.api_keys
+        if isinstance(keys, str):  # (a YAML file's `api_keys: KEY`)
+            keys = (keys,)
+        # api_keys errors name the type, not the value: a number meant as a key is still a secret
+        if keys is not None and not isinstance(keys, (list, tuple)):
+            raise ValueError(f"api_keys must be a list of non-empty strings, got {type(keys).__name__}")
+        object.__setattr__(self, "api_keys", tuple(keys or ()))
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be an address or host name (a string), got {self.host!r}")
+        for name in ("served_model_name", "chat_template", "tls_certfile", "tls_keyfile", "tls_ca_certfile"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", self.log_level.lower())
         for name in ("port", "grpc_port"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= 65535):
                 raise ValueError(f"{name} must be None or an int in [0, 65535], got {v!r}")
+        if self.port and self.port == self.grpc_port:
+            raise ValueError(f"port and grpc_port are both {self.port}; HTTP and gRPC need a port each")
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_body_bytes", "max_n", "max_prompt_chars"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
@@ -69,8 +88,10 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-        if any(not isinstance(k, str) or not k for k in self.api_keys):
-            raise ValueError("api_keys must be non-empty strings")
+        for i, k in enumerate(self.api_keys):
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"api_keys[{i}] must be a non-empty string, got "
+                                 f"{'an empty string' if k == '' else type(k).__name__}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("TLS needs both tls_certfile and tls_keyfile")
         if self.tls_ca_certfile is not None and self.tls_certfile is None:
@@ -81,6 +102,7 @@ class ServerConfig:
                 raise ValueError(f"{name} {v} is not a file")
         if self.port is None and self.grpc_port is None:
             raise ValueError("both port and grpc_port are None: nothing would be served")
+        self.read_chat_template()  # a missing template file fails now, not after the model loads
 
     @property
     def tls(self) -> bool:
@@ -95,7 +117,10 @@ class ServerConfig:
             p = Path(t)
             if not p.is_file():
                 raise ValueError(f"chat_template {t} is not a file (inline templates contain jinja '{{' tags)")
-            return p.read_text()
+            try:
+                return p.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"chat_template {t} cannot be read: {e}") from None
         return t
 
 
@@ -114,11 +139,22 @@ class ServeSettings:
         from sharding.mesh import MeshConfig
 
         kw = {"decode_steps": SERVE_DECODE_STEPS, **self.engine, **overrides}
-        if isinstance(kw.get("mesh"), dict):
-            kw["mesh"] = MeshConfig(**kw["mesh"])
+        mesh = kw.get("mesh")
+        if isinstance(mesh, dict):
+            axes = [f.name for f in dataclasses.fields(MeshConfig)]
+            bad = sorted(set(mesh) - set(axes), key=str)
+            if bad:
+                raise ValueError(f"engine settings: unknown mesh axes {bad}; allowed: {', '.join(axes)}")
+            kw["mesh"] = MeshConfig(**mesh)
+        elif mesh is not None and not isinstance(mesh, MeshConfig):
+            raise ValueError(f"engine settings: mesh must be a mapping such as {{tensor: 2}}, got {mesh!r}")
         for name in ("token_buckets", "seq_buckets"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
+        for f in dataclasses.fields(EngineConfig):  # EngineConfig compares these with floats: a str was a TypeError
+            v = kw.get(f.name)
+            if isinstance(f.default, float) and (isinstance(v, bool) or not isinstance(v, (int, float, type(None)))):
+                raise ValueError(f"engine settings: {f.name} must be a number, got {v!r}")
         try:
             return EngineConfig(**kw)
         except TypeError as e:
@@ -166,8 +202,9 @@ def build_settings(file_data: dict[str, Any] | None, overrides: dict[str, dict[s
     top.update(overrides.get("top", {}))
     server = {**(data.get("server") or {}), **overrides.get("server", {})}
     engine = {**(data.get("engine") or {}), **overrides.get("engine", {})}
-    if isinstance(server.get("api_keys"), str):
-        server["api_keys"] = (server["api_keys"],)
+    for name in ("model", "tokenizer"):
+        if top[name] is not None and (not isinstance(top[name], str) or not top[name]):
+            raise ValueError(f"{name} must be a path or preset name (a string), got {top[name]!r}")
     return ServeSettings(model=top["model"], tokenizer=top["tokenizer"], engine=engine, server=ServerConfig(**server))
 
 

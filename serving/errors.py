@@ -71,3 +71,8 @@ class DeadlineExceeded(ServingError):
 
 class InternalError(ServingError):
     pass
+
+
+class BindError(OSError):
+    """A server port could not be bound (in use, or the host is not an address of this machine): a
+    start-up error, not a request's. `xlaserve serve` reports it as one line before the model loads."""

@@ -26,7 +26,7 @@ from runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingPa
 from serving.auth import APIKeyChecker
 from serving.config import ServerConfig
 from serving.core import GenerationSpec, ServingCore, State
-from serving.errors import InvalidRequest, ServingError
+from serving.errors import BindError, InvalidRequest, ServingError
 from serving.openai_protocol import TokenText, new_rows
 from serving.protos import xlaserve_pb2 as pb
 from serving.protos import xlaserve_pb2_grpc as pb_grpc
@@ -297,7 +297,10 @@ class GrpcServer:
     def __init__(self, core: ServingCore, config: ServerConfig, keys: APIKeyChecker | None = None) -> None:
         self.core, self.config = core, config
         keys = keys or APIKeyChecker(config.api_keys)
-        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(keys)] if keys.enabled else [])
+        # so_reuseport off: with gRPC's default a second server on a taken port bound it too and the
+        # kernel split the connections between the two processes, instead of the second one failing.
+        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(keys)] if keys.enabled else [],
+                                      options=[("grpc.so_reuseport", 0)])
         self.health = _Health(core)
         orchestrator = OrchestratorServicer(core)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(core), self.server)
@@ -320,17 +323,20 @@ class GrpcServer:
 
     async def start(self) -> int:
         cfg = self.config
-        addr = f"{cfg.host}:{cfg.grpc_port}"
-        if cfg.tls:
-            ca = Path(cfg.tls_ca_certfile).read_bytes() if cfg.tls_ca_certfile else None
-            creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_keyfile).read_bytes(), Path(cfg.tls_certfile).read_bytes())],
-                root_certificates=ca, require_client_auth=ca is not None)
-            self.port = self.server.add_secure_port(addr, creds)
-        else:
-            self.port = self.server.add_insecure_port(addr)
+        addr = f"[{cfg.host}]:{cfg.grpc_port}" if ":" in cfg.host else f"{cfg.host}:{cfg.grpc_port}"
+        try:
+            if cfg.tls:
+                ca = Path(cfg.tls_ca_certfile).read_bytes() if cfg.tls_ca_certfile else None
+                creds = grpc.ssl_server_credentials(
+                    [(Path(cfg.tls_keyfile).read_bytes(), Path(cfg.tls_certfile).read_bytes())],
+                    root_certificates=ca, require_client_auth=ca is not None)
+                self.port = self.server.add_secure_port(addr, creds)
+            else:
+                self.port = self.server.add_insecure_port(addr)
+        except RuntimeError:  # grpcio >= 1.55 raises "Failed to bind" where older versions returned 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"gRPC could not bind {addr}")
+            raise BindError(f"gRPC could not bind {addr}")
         await self.server.start()
         await self.health.publish(self.core.state)
         self.core.on_state_change(self._on_state)

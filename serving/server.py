@@ -26,6 +26,7 @@ import uvicorn
 from serving.auth import APIKeyChecker
 from serving.config import ServerConfig, ServeSettings
 from serving.core import ServingCore
+from serving.errors import BindError
 from serving.grpc_server import GrpcServer
 from serving.http_server import build_app
 
@@ -39,15 +40,30 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, what: str = "HTTP") -> socket.socket:
+    try:
+        return _listen(host, port)
+    except OSError as e:  # (socket.gaierror too: a host name that does not resolve)
+        raise BindError(f"cannot bind the {what} port {_hostport(host, port)}: {e.strerror or e}") from None
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on transports whose socket
     # says so, and accepted sockets take the listener's proto. With Nagle on, every response's second
     # small write (a stream's first SSE event, a reply's body after its headers) waited for the
     # client's delayed ACK: ~40 ms on each request of a kept-alive connection (docs/serving.md).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.listen(2048)  # connections queue in the kernel from now on, before uvicorn accepts them
     sock.setblocking(False)
     return sock
@@ -74,12 +90,26 @@ class ServingApp:
         return "https" if self.config.tls else "http"
 
     async def start(self) -> None:
+        """Bind both ports; BindError (nothing left open) when either cannot be bound."""
         cfg = self.config
+        # The HTTP socket first: a plain socket closes cleanly if gRPC then fails, while a started
+        # gRPC server left behind by a failed HTTP bind outlived the event loop ("Event loop is closed").
+        sock = _bind(cfg.host, cfg.port) if cfg.port is not None else None
         if self.grpc is not None:
-            self.grpc_port = await self.grpc.start()
-            logger.info("gRPC listening on %s:%d%s", cfg.host, self.grpc_port, " (TLS)" if cfg.tls else "")
-        if cfg.port is not None:
-            sock = _bind(cfg.host, cfg.port)
+            try:
+                # a plain socket first: gRPC's own failure says only "could not bind" (after logging
+                # a C++ error line), a socket's says why
+                _bind(cfg.host, cfg.grpc_port, "gRPC").close()
+                try:
+                    self.grpc_port = await self.grpc.start()
+                except BindError as e:  # taken in between, or an address only gRPC refuses
+                    raise BindError(f"cannot bind the gRPC port {_hostport(cfg.host, cfg.grpc_port)}: {e}") from None
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            logger.info("gRPC listening on %s%s", _hostport(cfg.host, self.grpc_port), " (TLS)" if cfg.tls else "")
+        if sock is not None:
             self.http_port = sock.getsockname()[1]
             ucfg = uvicorn.Config(
                 self.app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
@@ -145,12 +175,23 @@ def build_engine(settings: ServeSettings, model: str):
     from runtime.tokenizer import load_tokenizer
 
     config = settings.engine_config()
+    # a --tokenizer first: a wrong path fails before the model loads
+    tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer is not None else None
     loaded = load_model(model, mesh=config.mesh.make_mesh(), dtype=config.dtype, seed=config.seed,
                         progress=config.progress)
-    tok_path = settings.tokenizer or loaded.tokenizer_path
-    tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+    if tokenizer is None and loaded.tokenizer_path is not None:
+        tokenizer = load_tokenizer(loaded.tokenizer_path)
+    check_vocab(tokenizer, settings.tokenizer or loaded.tokenizer_path, loaded.config.vocab_size, loaded.source)
     engine = make_engine(loaded, config, tokenizer=tokenizer)  # compiles every bucket (progress bar)
     return AsyncEngine(engine), tokenizer, str(loaded.source)
+
+
+def check_vocab(tokenizer, tokenizer_path, model_vocab_size: int, model_source) -> None:
+    """Refuse a tokenizer whose ids the model has no embedding rows for (fewer tokens than rows is
+    normal: embeddings padded to a multiple of 64 or 128). Unchecked, every text request got a 400."""
+    if tokenizer is not None and tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens; the model {model_source} "
+                         f"has a vocabulary of {model_vocab_size}: they do not match (pass the model's own tokenizer)")
 
 
 _LOAD_THREAD = "xlaserve-load"
@@ -158,6 +199,7 @@ _LOAD_THREAD = "xlaserve-load"
 
 def run(settings: ServeSettings, model: str) -> int:
     """`xlaserve serve`: serve until SIGTERM/SIGINT; returns the exit code."""
+    settings.engine_config()  # bad engine settings fail now, before the ports are bound
     rc = asyncio.run(serve(settings, model))
     if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped mid-load: XLA is still compiling in that thread, and interpreter shutdown would

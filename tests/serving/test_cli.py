@@ -2,11 +2,13 @@
 
 import json
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.testing.data import shared_data_dir
 
@@ -74,3 +76,88 @@ def test_generate_on_a_context_that_is_not_a_power_of_two(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 270 or out["finish_reason"] == "stop"
     assert out["text"].startswith(GOLDEN_START)
+
+
+# -- `xlaserve serve` start-up errors: one line, before the model loads ------------------------------
+
+def _serve_error(*args, timeout=120) -> str:
+    """`xlaserve serve ARGS` must fail at once with one `xlaserve: error:` line; returns that line."""
+    r = xlaserve("serve", *args, timeout=timeout)
+    assert r.returncode != 0, r.stderr
+    assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("xlaserve: error: ")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("which", ["--port", "--grpc-port"])
+def test_serve_on_a_taken_port_names_it(taken_port, which):
+    other = "--grpc-port" if which == "--port" else "--port"
+    # the model does not exist: the port must be refused first
+    line = _serve_error("--model", "/no/such/model", which, str(taken_port), other, "0")
+    kind = "HTTP" if which == "--port" else "gRPC"
+    assert f"cannot bind the {kind} port 127.0.0.1:{taken_port}: Address already in use" in line, line
+
+
+@pytest.mark.parametrize("host", ["12345", "256.1.1.1"])
+def test_serve_on_a_host_of_another_machine_names_it(host):
+    line = _serve_error("--model", "/no/such/model", "--host", host, "--port", "0", "--grpc-port", "0")
+    assert f"cannot bind the HTTP port {host}:0" in line, line
+
+
+@pytest.mark.parametrize("config,message", [
+    # (the type, not the value: a number meant as a key is a secret all the same)
+    ({"server": {"api_keys": 123}}, "api_keys must be a list of non-empty strings, got int"),
+    ({"server": {"api_keys": ["k", 5]}}, "api_keys[1] must be a non-empty string, got int"),
+    ({"server": {"log_level": 10}}, "log_level must be one of debug, info, warning, error, got 10"),
+    ({"server": {"log_level": "verbose"}}, "log_level must be one of debug, info, warning, error, got 'verbose'"),
+    ({"server": {"host": 12345}}, "host must be an address or host name (a string), got 12345"),
+    ({"server": {"port": 9000, "grpc_port": 9000}}, "port and grpc_port are both 9000"),
+    ({"server": {"chat_template": "/nonexistent/t.jinja"}}, "chat_template /nonexistent/t.jinja is not a file"),
+    ({"engine": {"mesh": {"tensr": 2}}}, "unknown mesh axes ['tensr']; allowed: replica, tensor, context"),
+    ({"engine": {"mesh": 2}}, "mesh must be a mapping such as {tensor: 2}, got 2"),
+    ({"engine": {"kv_memory_fraction": "x"}}, "kv_memory_fraction must be a number, got 'x'"),
+])
+def test_serve_bad_config_value_is_one_line_before_the_model_loads(tmp_path, config, message):
+    config = {**config, "server": {"port": 0, "grpc_port": 0, **config.get("server", {})}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    # a model that does not exist: reaching the load would say so instead
+    line = _serve_error("--config", str(tmp_path / "c.yaml"), "--model", "/no/such/model")
+    assert message in line, line
+
+
+def test_serve_missing_chat_template_flag_is_one_line():
+    line = _serve_error("--chat-template", "/nonexistent/t.jinja", "--model", "/no/such/model")
+    assert "chat_template /nonexistent/t.jinja is not a file" in line, line
+
+
+def test_serve_refuses_a_tokenizer_larger_than_the_model(stories_path):
+    tok = shared_data_dir() / "tokenizers" / "llama2_tokenizer.model"
+    if not tok.is_file():
+        pytest.skip(f"{tok} is missing")
+    r = xlaserve("serve", "--model", str(stories_path), "--tokenizer", str(tok), "--port", "0", "--grpc-port", "0")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"tokenizer {tok} has 32000 tokens; the model {stories_path} has a vocabulary of 512" in r.stderr, r.stderr
+    assert "compiling" not in r.stderr, "refused only after the warmup compiles:\n" + r.stderr
+
+
+def test_generate_text_through_a_mismatched_tokenizer_names_the_flag(tmp_path):
+    """The model's own tokenizer has a token (id 512) the 512-row model lacks: --prompt text that
+    encodes to it is the tokenizer's fault, not --prompt-ids'."""
+    src = shared_data_dir() / "stories260k"
+    shutil.copy(src / "stories260K.bin", tmp_path / "stories260K.bin")
+    piece = "☃".encode()
+    extra = struct.pack("<fi", 0.0, len(piece)) + piece  # llama2.c format: score, length, bytes
+    (tmp_path / "tok513.bin").write_bytes((src / "tok512.bin").read_bytes() + extra)
+    r = xlaserve("generate", "--model", str(tmp_path / "stories260K.bin"), "--prompt", "Hello ☃", "--max-tokens", "4")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "--prompt encodes to ids outside the model's vocabulary [0, 512): [512]" in r.stderr, r.stderr
+    assert "tokenizer (513 tokens) does not match the model" in r.stderr and "--prompt-ids" not in r.stderr, r.stderr

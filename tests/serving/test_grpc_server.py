@@ -279,3 +279,30 @@ def test_api_keys_and_health_exemption(engine):
             assert pb_grpc.OrchestratorStub(ch).HealthCheck(pb.HealthCheckRequest()).is_live
     finally:
         s.stop()
+
+
+def test_a_second_server_cannot_share_the_grpc_port():
+    """With gRPC's default SO_REUSEPORT a second server bound a port another one listened on, and the
+    kernel split the connections between the two processes; it must fail to bind instead."""
+    import asyncio
+    import dataclasses
+
+    from serving.config import ServerConfig
+    from serving.core import ServingCore
+    from serving.errors import BindError
+    from serving.grpc_server import GrpcServer
+
+    async def go() -> None:
+        cfg = ServerConfig(port=None, grpc_port=0, status_interval_s=0)
+        first = GrpcServer(ServingCore(cfg, MODEL_NAME), cfg)
+        port = await first.start()
+        cfg2 = dataclasses.replace(cfg, grpc_port=port)
+        second = GrpcServer(ServingCore(cfg2, MODEL_NAME), cfg2)
+        try:
+            with pytest.raises(BindError, match=f"gRPC could not bind 127.0.0.1:{port}"):
+                await second.start()
+        finally:
+            await second.server.stop(None)  # (running only where the second bind wrongly succeeded)
+            await first.stop(grace=None)
+
+    asyncio.run(go())
