@@ -2,9 +2,14 @@
 loop `submit` requests and read their outputs from async iterators.
 
     engine = AsyncEngine(Engine(model, config, tokenizer=tok))
-    async for out in engine.submit(GenerationRequest(prompt="Hi", sampling_params=params)):
+    stream = engine.submit(GenerationRequest(prompt="Hi", sampling_params=params))
+    async for out in stream:
         ...                                  # RequestOutput snapshots; the last has finished=True
-    engine.cancel(request_id); engine.stats(); engine.health(); engine.shutdown()
+    stream.cancel(); engine.cancel(request_id); engine.stats(); engine.health(); engine.shutdown()
+
+A client may choose its request ids and reuse one once its request has finished: a stream that
+goes away (or `stream.cancel()`) aborts only its own request, never a later one of the same id;
+`engine.cancel(request_id)` aborts whichever request has the id now.
 
 Threading: the Engine is touched only by the loop thread. submit/cancel put commands on a
 thread-safe queue and set an Event; the loop drains commands between steps (so a cancel takes
@@ -27,7 +32,7 @@ from typing import AsyncIterator, Sequence
 
 from runtime.engine import Engine, EngineStats, frozen_heap
 from runtime.llm import RequestOutput
-from runtime.request import SamplingParams
+from runtime.request import SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = False
+        self._closed = False  # the loop thread has ended every stream: no new one may open (under _streams_lock)
         self._error: BaseException | None = None
         self._stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="xlaserve-engine", daemon=True)
@@ -72,32 +78,46 @@ class AsyncEngine:
             self._thread.start()
 
     # -- API ------------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: GenerationRequest) -> OutputStream:
         """Queue a request; returns the async stream of its outputs. Must be called on a running
         event loop. Raises ValueError at once for a request that can never run."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop died: {self._error!r}")
-        if self._stop:
-            raise EngineDeadError("the engine is shut down")
+        self._check_alive()
         loop = asyncio.get_running_loop()
         if (request.prompt is None) == (request.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+            raise ValueError(f"priority must be an int, got {request.priority!r}")
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {request.cache_salt!r}")
+        if request.request_id is not None and not isinstance(request.request_id, str):
+            raise ValueError(f"request_id must be a string or None, got {request.request_id!r}")
         text, ids = self.engine.prepare_prompt(
             request.prompt if request.prompt is not None else list(request.prompt_token_ids)
         )
-        rid = request.request_id if request.request_id is not None else f"async-{next(self._ids)}"
-        self.engine.validate(ids, request.sampling_params, request_id=rid)
+        self.engine.validate(ids, request.sampling_params, request_id=request.request_id or "")
         q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            if rid in self._streams:
+        with self._streams_lock:  # (the loop thread's last sweep takes it too: no stream opens after it)
+            self._check_alive()
+            rid = request.request_id
+            if rid is None:
+                rid = new_request_id("async-", self._ids, self._streams)
+            elif rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already live")
             self._streams[rid] = (loop, q)
         self._send(("add", rid, text, ids, request))
-        return self._stream(rid, q)
+        return OutputStream(self, rid, q)
 
-    def cancel(self, request_id: str) -> None:
-        """Abort a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        self._send(("abort", request_id))
+    def cancel(self, request_id: str, *, stream: OutputStream | None = None) -> None:
+        """Abort the request that has this id now, or with `stream` (what submit returned) only that
+        stream's request, not a later one of the same id; its stream ends with finish_reason
+        "abort". Unknown ids and finished requests are ignored."""
+        self._send(("abort", request_id, None if stream is None else stream._q))
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        if self._stop or self._closed:
+            raise EngineDeadError("the engine is shut down")
 
     def stats(self) -> EngineStats:
         """Engine statistics as of the last step (a snapshot the loop publishes)."""
@@ -120,7 +140,7 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # -- streams --------------------------------------------------------------------------------
-    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         done = False
         try:
             while True:
@@ -135,7 +155,7 @@ class AsyncEngine:
                     return
         finally:
             if not done:  # the consumer went away (client disconnect): stop generating
-                self.cancel(rid)
+                self._send(("abort", rid, q))
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -176,6 +196,7 @@ class AsyncEngine:
         finally:
             err = EngineDeadError(f"the engine loop stopped: {self._error!r}" if self._error else "the engine shut down")
             with self._streams_lock:
+                self._closed = True
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, err)
@@ -191,7 +212,35 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(ids, req.sampling_params, request_id=rid, priority=req.priority,
                                             cache_salt=req.cache_salt, prompt_text=text)
-                except ValueError as e:  # e.g. the id went live meanwhile
+                except (ValueError, TypeError) as e:  # this request's own fault: its stream hears of it
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+                _, rid, q = cmd
+                if q is not None:  # a stream's own request, unless that one has finished (the id is free)
+                    with self._streams_lock:
+                        target = self._streams.get(rid)
+                    if target is None or target[1] is not q:
+                        continue
+                self.engine.abort(rid)
+
+
+class OutputStream:
+    """The outputs of one submitted request (AsyncEngine.submit): `async for out in stream`.
+    cancel() aborts this request; a stream dropped or closed before its last output does too."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine, self._q = engine, q
+        self._outputs = engine._outputs(request_id, q)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    def __anext__(self):
+        return self._outputs.__anext__()
+
+    def aclose(self):
+        return self._outputs.aclose()
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.request_id, stream=self)

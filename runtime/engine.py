@@ -77,7 +77,7 @@ from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
 from runtime.plan import StepPlan
 from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
-                             validate_prompt)
+                             new_request_id, validate_prompt)
 from runtime.sampling import sample_seed
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
@@ -297,7 +297,7 @@ class Engine:
         """Queue a request; returns its id. Raises ValueError at once when it can never run.
         `prompt_text` is the text of a prompt given as ids (reported back in the outputs)."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._sid_counter)}"
+        request_id = request_id if request_id is not None else new_request_id("req-", self._sid_counter, self._groups)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already live")
         text, prompt_ids = self.prepare_prompt(prompt)
@@ -309,7 +309,7 @@ class Engine:
                         priority: int = 0, cache_salt: str | None = None, prompt_text: str | None = None) -> str:
         """add_request for a prompt the caller already ran through prepare_prompt and validate
         (LLM.generate checks every prompt before queueing any): queues it without checking again."""
-        request_id = request_id if request_id is not None else f"req-{next(self._sid_counter)}"
+        request_id = request_id if request_id is not None else new_request_id("req-", self._sid_counter, self._groups)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         group = _Group(request_id, prompt_text, prompt_ids, params, seed, to_fork=params.n - 1)
         seq = self._new_seq(group, 0)
@@ -380,12 +380,14 @@ class Engine:
         group = self._groups.get(request_id)
         if group is None or group.finished:
             return False
-        if group.to_fork:
+        if group.to_fork:  # its samples end too, empty: a request of n gets n outputs however it ends
             group.to_fork = 0
             self._unforked -= 1
+            for index in range(len(group.seqs), group.params.n):
+                self._new_seq(group, index)
         for seq in group.seqs:
             if not seq.finished:
-                self.scheduler.abort(seq.sid)
+                self.scheduler.abort(seq.sid)  # (False for the samples never forked: the scheduler has none)
                 self._finish_seq(seq, FINISH_ABORT, None)
         self._counts["aborted"] += 1
         self._ready.append(group)

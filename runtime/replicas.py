@@ -32,7 +32,7 @@ from runtime.checkpoint import LoadedModel
 from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats
 from runtime.llm import RequestOutput
-from runtime.request import SamplingParams
+from runtime.request import SamplingParams, new_request_id
 from sharding.mesh import mesh_axis_size
 
 
@@ -114,9 +114,7 @@ class ReplicatedEngine:
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._where:
-                request_id = f"req-{next(self._ids)}"
+            request_id = new_request_id("req-", self._ids, self._where)
         elif request_id in self._where:
             raise ValueError(f"request id {request_id!r} is already live")
         return request_id

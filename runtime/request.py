@@ -10,7 +10,7 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Container, Iterator, Mapping, Sequence
 
 # Finish reasons, as the OpenAI API spells them.
 FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
@@ -252,6 +252,14 @@ def _bias(v, token) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100.0 <= v <= 100.0:
         raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {token!r}")
     return float(v)
+
+
+def new_request_id(prefix: str, counter: Iterator[int], live: Container[str]) -> str:
+    """`prefix` + the next number of `counter` that no live request has as its id (a caller may have
+    chosen such an id for one of its own)."""
+    while (request_id := f"{prefix}{next(counter)}") in live:
+        pass
+    return request_id
 
 
 def validate_prompt(prompt_token_ids: Sequence[int]) -> list[int]:

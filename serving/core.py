@@ -16,13 +16,16 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from runtime.request import FINISH_ABORT, FINISH_LENGTH, OUTPUT_DELTA, SamplingParams
 from serving.admission import AdmissionQueue, Ticket
 from serving.config import ServerConfig
 from serving.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
 from serving.metrics import ServingMetrics
+
+if TYPE_CHECKING:  # (the engine's modules import JAX; the core loads them only to build an engine)
+    from runtime.async_engine import OutputStream
 
 logger = logging.getLogger("xlaserve.serving")
 
@@ -79,6 +82,7 @@ class _Live:
     ticket: Ticket
     arrival: float
     num_prompt_tokens: int
+    engine_stream: OutputStream  # the AsyncEngine's stream of the request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     first_token_at: float | None = None
@@ -166,10 +170,10 @@ class ServingCore:
             return 0
         except TimeoutError:
             pass
-        aborted = list(self._live)
+        aborted = list(self._live.values())
         logger.warning("drain timeout: aborting %d requests", len(aborted))
-        for rid in aborted:
-            self.engine.cancel(rid)
+        for live in aborted:
+            live.engine_stream.cancel()
         # Aborts take effect before the engine's next step; a dead engine ends every stream itself.
         await self._idle.wait()
         return len(aborted)
@@ -335,7 +339,7 @@ class ServingCore:
             ticket.release()
             self.metrics.request_failed("unavailable")
             raise Unavailable(str(e), code="engine_dead") from None
-        live = _Live(rid, ticket, spec.arrival, len(ids))
+        live = _Live(rid, ticket, spec.arrival, len(ids), stream)
         if not self._live:
             self._busy_since = time.monotonic()
             self._idle.clear()
@@ -445,7 +449,7 @@ class RequestStream:
             self._complete = True
             if failure is not None:
                 self._count_failure(failure)
-            self._core.engine.cancel(self.request_id)
+            self._live.engine_stream.cancel()  # (this request's, not a later one of the same id)
 
     def _count_failure(self, reason: str) -> None:
         if self._live.counted is None:

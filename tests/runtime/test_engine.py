@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.async_engine import AsyncEngine, GenerationRequest
+from runtime.async_engine import AsyncEngine, EngineDeadError, GenerationRequest
 from runtime.checkpoint import load_model
 from runtime.compilation import BACKEND_COMPILE_EVENT
 from runtime.config import EngineConfig
@@ -269,6 +269,19 @@ def test_n_samples_use_derived_seeds(engine, workload):
     check_idle(engine)
 
 
+def test_n_samples_aborted_before_their_fork_all_end(engine, workload):
+    """A request of n aborted before its prompt step (its samples not forked yet) ends with n
+    outputs, each aborted, as one aborted later does."""
+    _, prompt, _ = workload[0]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, n=3)
+    rid = engine.add_request(prompt, params)
+    assert engine.abort(rid)
+    (out,) = [o for o in engine.step() if o.request_id == rid]
+    assert out.finished and [(c.index, c.finish_reason, c.token_ids) for c in out.outputs] == [
+        (0, "abort", []), (1, "abort", []), (2, "abort", [])]
+    check_idle(engine)
+
+
 def test_sample_seeds():
     assert sample_seed(1234, 0) == 1234 and sample_seed(-3, 0) == -3
     seeds = {sample_seed(s, i) for s in range(64) for i in range(1, 9)}
@@ -504,6 +517,68 @@ def test_async_engine_streams_and_cancels(engine, workload):
     finally:
         gc.enable()
     check_idle(engine)
+
+
+def test_async_engine_request_ids_and_bad_requests(engine, workload):
+    """A stream that goes away aborts only its own request, not a later one that reuses its id; ids
+    the engine picks skip ids callers chose; a bad field fails its submit, not the engine loop; a
+    submit that meets a shutdown gets EngineDeadError rather than a stream that never ends."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompt = workload[2][1]
+
+    async def main():
+        ae = AsyncEngine(engine)
+        try:
+            old = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=replace(params, max_tokens=3),
+                                              request_id="r"))
+            await old.__anext__()  # one output read; then the request finishes in the engine
+            while ae.health().num_unfinished:
+                await asyncio.sleep(0.005)
+            new = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params, request_id="r"))
+            await old.aclose()  # the old client goes away without reading its last output
+            last = await drain(new)
+            assert (last.outputs[0].finish_reason, len(last.outputs[0].token_ids)) == ("length", 30)
+            chosen = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params, request_id="async-0"))
+            picked = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params))
+            assert picked.request_id not in ("async-0", "r")
+            picked.cancel()
+            assert (await drain(picked)).outputs[0].finish_reason == "abort"
+            assert (await drain(chosen)).outputs[0].finish_reason == "length"
+            for bad, needle in ((dict(priority=None), "priority must be an int"),
+                                (dict(cache_salt=5), "cache_salt must be a string"),
+                                (dict(request_id=7), "request_id must be a string")):
+                with pytest.raises(ValueError, match=needle):
+                    ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params, **bad))
+            assert ae.health().healthy
+        finally:
+            ae.shutdown()
+
+        ae = AsyncEngine(engine)
+        prepare = engine.prepare_prompt
+
+        def shut_down_meanwhile(p):  # the engine shuts down while a submit tokenizes
+            ae.shutdown()
+            return prepare(p)
+
+        engine.prepare_prompt = shut_down_meanwhile
+        try:
+            with pytest.raises(EngineDeadError, match="shut down"):
+                ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params))
+        finally:
+            del engine.prepare_prompt
+        assert ae.health().num_unfinished == 0
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+    check_idle(engine)
+
+
+def test_new_request_id_skips_live_ids():
+    import itertools
+
+    from runtime.request import new_request_id
+
+    counter = itertools.count()
+    assert [new_request_id("req-", counter, {"req-1", "req-2"}) for _ in range(2)] == ["req-0", "req-3"]
 
 
 async def drain(stream):

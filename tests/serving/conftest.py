@@ -71,8 +71,8 @@ def steps_held_until_cancel(server, timeout_s: float = 30.0):
         gate.wait(60)
         return step(*args, **kwargs)
 
-    def noted_cancel(request_id):
-        cancel(request_id)
+    def noted_cancel(request_id, **kwargs):
+        cancel(request_id, **kwargs)
         cancelled.set()
 
     engine.step, async_engine.cancel = held_step, noted_cancel  # instance attributes over the methods
