@@ -280,13 +280,17 @@ def _top_sorted(row: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 def completion_logprobs(token_ids, rows, k: int, text_of: TokenText, offset: int = 0) -> dict:
     """The completions API `logprobs` object for tokens with their engine rows ({id: logprob},
-    the sampled id first)."""
+    the sampled id first). Each top_logprobs entry holds the k most likely tokens and, as OpenAI's
+    do, always the sampled one: up to k + 1 (just the sampled one with logprobs 0)."""
     tokens, lps, tops, offsets = [], [], [], []
     for t, row in zip(token_ids, rows):
         s = text_of(t)
         tokens.append(s)
         lps.append(row.get(t))
-        tops.append({text_of(i): v for i, v in _top_sorted(row, k)} if k else None)
+        top = {text_of(i): v for i, v in _top_sorted(row, k)}
+        if t in row:
+            top.setdefault(s, row[t])
+        tops.append(top)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

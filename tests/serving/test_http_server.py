@@ -117,6 +117,13 @@ def test_completion_logprobs(client):
         assert v <= 0 and len(top) == 3
         assert max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the chosen token is the most likely
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # sampled, the top entries hold the sampled token too (OpenAI: up to logprobs + 1), also at logprobs=0
+    for k in (0, 1):
+        hot = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.8, seed=5,
+                                        logprobs=k).choices[0].logprobs
+        for tok, v, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs):
+            assert top[tok] == v and k <= len(top) <= k + 1
+        assert any(len(top) == k + 1 for top in hot.top_logprobs)  # a token outside the top k was sampled
     stream = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
                                             stream=True))
     assert [t for c in stream for t in c.choices[0].logprobs.tokens] == lp.tokens
