@@ -69,9 +69,15 @@ def _hf_number(d: dict[str, Any], key: str, kind: type = int, default: Any = _RE
         if default is _REQUIRED:
             raise ValueError(f"config key {name!r} is {'null' if key in d else 'missing'}; it is required")
         return default
+    return positive_number(v, name, kind)
+
+
+def positive_number(v: Any, name: str, kind: type = int, what: str = "config key"):
+    """v as a positive int (kind=int; 64.0 is accepted as 64) or a positive finite float, else a
+    ValueError naming it (`what` `name`): the checkpoint readers' check of a config value."""
     number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if not (number and v > 0 and (kind is float or float(v).is_integer())):
-        raise ValueError(f"config key {name!r} is {v!r}; it must be a positive {'integer' if kind is int else 'number'}")
+        raise ValueError(f"{what} {name!r} is {v!r}; it must be a positive {'integer' if kind is int else 'number'}")
     return kind(v)
 
 

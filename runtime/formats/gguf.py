@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from models.config import ModelConfig, RopeScaling, rope_inv_freq
+from models.config import ModelConfig, RopeScaling, positive_number, rope_inv_freq
 from runtime.formats.base import CheckpointError, interleaved_to_half_split
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -126,13 +126,10 @@ class GGUFSource:
         v = self._meta(key, required=required)
         if v is None:
             return default
-        if isinstance(v, np.generic):
-            v = v.item()
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
-        if not (number and v > 0 and (kind is float or float(v).is_integer())):
-            what = "integer" if kind is int else "number"
-            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is {v!r}; it must be a positive {what}")
-        return kind(v)
+        try:
+            return positive_number(v.item() if isinstance(v, np.generic) else v, key, kind, what="GGUF metadata key")
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
 
     def _build_config(self) -> ModelConfig:
         a = self.arch
