@@ -115,10 +115,16 @@ class SafetensorsSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
             files = {f: _File(self._need(self.path / f, index)) for f in sorted(set(weight_map.values()))}
             self._where = {name: files[f] for name, f in weight_map.items()}
+            absent = next((n for n, f in self._where.items() if n not in f.header), None)
+            if absent is not None:
+                raise CheckpointError(f"{index} maps tensor {absent!r} to {self._where[absent].path.name}, "
+                                      "which does not hold it")
         else:
             single = self.path / "model.safetensors"
             if not single.is_file():

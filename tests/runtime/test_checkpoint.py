@@ -202,6 +202,20 @@ def test_sharded_index_with_missing_shard(hf_dir, tmp_path):
         load_model(d, progress=False)
 
 
+def test_sharded_index_with_a_bad_weight_map(hf_dir, tmp_path):
+    d = _copy(hf_dir, tmp_path / "index")
+    for weight_map, needle in ((["model.safetensors"], "weight_map must map tensor names to shard file names"),
+                               ({"model.norm.weight": 3}, "weight_map must map tensor names to shard file names"),
+                               ({"model.nope.weight": "model.safetensors"}, "maps tensor 'model.nope.weight' to "
+                                                                            "model.safetensors, which does not hold it")):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=needle):
+            load_model(d, progress=False)
+    (d / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        load_model(d, progress=False)
+
+
 def test_sharded_index_loads(hf_dir, tmp_path):
     import torch
     import transformers
