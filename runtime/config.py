@@ -120,6 +120,10 @@ class EngineConfig:
             )
         if self.warmup_runs is not None and not isinstance(self.warmup_runs, bool):
             raise ValueError(f"warmup_runs must be None, True or False, got {self.warmup_runs!r}")
+        for name in ("kv_memory_fraction", "watermark"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if not 0.0 <= self.watermark < 1.0:

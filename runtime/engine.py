@@ -86,7 +86,7 @@ from sharding.rules import kv_cache_sharding
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
+_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}  # what the engine runs (EngineConfig.dtype, kv_dtype)
 
 
 def _decode_programs(model: LoadedModel) -> bool:
@@ -205,7 +205,7 @@ class Engine:
         if replicas > 1:
             raise ValueError(f"an Engine runs on one replica; this model's mesh has {replicas} "
                              "(runtime.replicas.make_engine builds one engine per replica)")
-        if np.dtype(model.dtype) not in (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16)):
+        if np.dtype(model.dtype) not in map(np.dtype, _DTYPES.values()):
             raise ValueError(f"the engine runs float32 and bfloat16 models; this one is {np.dtype(model.dtype).name} "
                              "(load it with dtype 'auto' or 'bfloat16')")
         cfg = model.config

@@ -32,6 +32,11 @@ SERVE_DECODE_STEPS = 4
 LOG_LEVELS = ("debug", "info", "warning", "error")  # ServerConfig.log_level, the names logging knows
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 address in brackets (`[::1]:8000`), as gRPC and logs write addresses."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
@@ -151,10 +156,6 @@ class ServeSettings:
         for name in ("token_buckets", "seq_buckets"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
-        for f in dataclasses.fields(EngineConfig):  # EngineConfig compares these with floats: a str was a TypeError
-            v = kw.get(f.name)
-            if isinstance(f.default, float) and (isinstance(v, bool) or not isinstance(v, (int, float, type(None)))):
-                raise ValueError(f"engine settings: {f.name} must be a number, got {v!r}")
         try:
             return EngineConfig(**kw)
         except TypeError as e:

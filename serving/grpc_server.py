@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -24,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from serving.auth import APIKeyChecker
-from serving.config import ServerConfig
+from serving.config import ServerConfig, host_port
 from serving.core import GenerationSpec, ServingCore, State
 from serving.errors import BindError, InvalidRequest, ServingError
 from serving.openai_protocol import TokenText, new_rows
@@ -41,8 +40,9 @@ _AUTH_EXEMPT = ("/grpc.health.v1.Health/", "/xlaserve.v1.Orchestrator/HealthChec
                 f"/{JETSTREAM_SERVICE}/HealthCheck")
 
 
-def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; max_tokens 0 means "until max_model_len"."""
+def sampling_params_from_proto(sp: pb.SamplingParams, *, keep_special_tokens: bool = False) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; max_tokens 0 means "until max_model_len".
+    keep_special_tokens is the GenerateRequest's own field."""
     has = sp.HasField
     try:
         return SamplingParams(
@@ -62,6 +62,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             ignore_eos=sp.ignore_eos,
             n=sp.n if has("n") else 1,
             logit_bias=dict(sp.logit_bias) or None,
+            skip_special_tokens=not keep_special_tokens,
         )
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
@@ -103,8 +104,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if kind is None:
                 raise InvalidRequest("set one of text, token_ids or chat as the prompt", param="prompt")
             spec = GenerationSpec(
-                params=replace(sampling_params_from_proto(request.sampling),
-                               skip_special_tokens=not request.keep_special_tokens),
+                params=sampling_params_from_proto(request.sampling, keep_special_tokens=request.keep_special_tokens),
                 text=request.text if kind == "text" else None,
                 token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
                 messages=_messages(request.chat) if kind == "chat" else None,
@@ -323,7 +323,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         cfg = self.config
-        addr = f"[{cfg.host}]:{cfg.grpc_port}" if ":" in cfg.host else f"{cfg.host}:{cfg.grpc_port}"
+        addr = host_port(cfg.host, cfg.grpc_port)
         try:
             if cfg.tls:
                 ca = Path(cfg.tls_ca_certfile).read_bytes() if cfg.tls_ca_certfile else None

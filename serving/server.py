@@ -24,7 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from serving.auth import APIKeyChecker
-from serving.config import ServerConfig, ServeSettings
+from serving.config import ServerConfig, ServeSettings, host_port
 from serving.core import ServingCore
 from serving.errors import BindError
 from serving.grpc_server import GrpcServer
@@ -44,11 +44,7 @@ def _bind(host: str, port: int, what: str = "HTTP") -> socket.socket:
     try:
         return _listen(host, port)
     except OSError as e:  # (socket.gaierror too: a host name that does not resolve)
-        raise BindError(f"cannot bind the {what} port {_hostport(host, port)}: {e.strerror or e}") from None
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise BindError(f"cannot bind the {what} port {host_port(host, port)}: {e.strerror or e}") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -100,15 +96,12 @@ class ServingApp:
                 # a plain socket first: gRPC's own failure says only "could not bind" (after logging
                 # a C++ error line), a socket's says why
                 _bind(cfg.host, cfg.grpc_port, "gRPC").close()
-                try:
-                    self.grpc_port = await self.grpc.start()
-                except BindError as e:  # taken in between, or an address only gRPC refuses
-                    raise BindError(f"cannot bind the gRPC port {_hostport(cfg.host, cfg.grpc_port)}: {e}") from None
+                self.grpc_port = await self.grpc.start()  # (BindError if taken in between)
             except BaseException:
                 if sock is not None:
                     sock.close()
                 raise
-            logger.info("gRPC listening on %s%s", _hostport(cfg.host, self.grpc_port), " (TLS)" if cfg.tls else "")
+            logger.info("gRPC listening on %s%s", host_port(cfg.host, self.grpc_port), " (TLS)" if cfg.tls else "")
         if sock is not None:
             self.http_port = sock.getsockname()[1]
             ucfg = uvicorn.Config(
