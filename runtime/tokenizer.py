@@ -85,7 +85,6 @@ class Tokenizer:
         self._add_bos = add_bos
         self._add_eos = add_eos and bool(self._eos_ids)
         self._chat_templates = dict(chat_templates or {})
-        self._compiled: dict[str, Any] = {}
         self._source = source
 
     def __repr__(self) -> str:
@@ -185,19 +184,27 @@ class Tokenizer:
     # --- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Renders `messages` with the model's jinja2 chat template the way transformers does:
-        sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`,
-        and bos_token/eos_token/unk_token/pad_token in scope. Extra keyword arguments (`tools`,
-        `documents`, `enable_thinking`, ...) are passed to the template."""
-        if not self._chat_templates:
-            raise ValueError(f"{self._source} has no chat template")
-        name = "tool_use" if kwargs.get("tools") and "tool_use" in self._chat_templates else "default"
-        if name not in self._chat_templates:
-            raise ValueError(f"{self._source} has chat templates {sorted(self._chat_templates)} but no 'default'")
-        if name not in self._compiled:
-            self._compiled[name] = chat_template_environment().from_string(self._chat_templates[name])
+        """Renders `messages` with the model's jinja2 chat template (or `chat_template`, a template
+        text replacing it, as in transformers) the way transformers does: sandboxed,
+        trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`, and
+        bos_token/eos_token/unk_token/pad_token in scope. Extra keyword arguments (`tools`,
+        `documents`, `enable_thinking`, ...) are passed to the template. A template that does not
+        parse is a ValueError (compile_chat_template); one that raises while rendering, a
+        jinja2 TemplateError."""
+        if chat_template is None:
+            if not self._chat_templates:
+                raise ValueError(f"{self._source} has no chat template")
+            name = "tool_use" if kwargs.get("tools") and "tool_use" in self._chat_templates else "default"
+            if name not in self._chat_templates:
+                raise ValueError(f"{self._source} has chat templates {sorted(self._chat_templates)} but no 'default'")
+            chat_template = self._chat_templates[name]
         context = {
             f"{n}_token": self._pieces[i]
             for n, i in (("bos", self._bos_id), ("eos", self.eos_id), ("unk", self._unk_id), ("pad", self._pad_id))
@@ -205,7 +212,7 @@ class Tokenizer:
         }
         context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None)
         context.update(kwargs)
-        return self._compiled[name].render(**context)
+        return compile_chat_template(chat_template).render(**context)
 
     # --- constructors -------------------------------------------------------------------------
 
@@ -681,6 +688,18 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(text: str):
+    """`text` parsed in chat_template_environment(); a syntax error is a ValueError that names
+    its line, so a server can refuse a broken template at start-up instead of at the first chat."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        return chat_template_environment().from_string(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
 
 
 def chat_template_environment():

@@ -17,6 +17,7 @@ command line wins over the file:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +108,18 @@ class ServerConfig:
                 raise ValueError(f"{name} {v} is not a file")
         if self.port is None and self.grpc_port is None:
             raise ValueError("both port and grpc_port are None: nothing would be served")
-        self.read_chat_template()  # a missing template file fails now, not after the model loads
+        if self.chat_template_text is not None:  # a missing or broken template fails now, not after the model loads
+            from runtime.tokenizer import compile_chat_template
+
+            compile_chat_template(self.chat_template_text)
 
     @property
     def tls(self) -> bool:
         return self.tls_certfile is not None
 
-    def read_chat_template(self) -> str | None:
-        """The chat_template setting as template text: a file's contents, or the inline template."""
+    @functools.cached_property
+    def chat_template_text(self) -> str | None:
+        """The chat_template setting as template text: a file's contents (read once), or the inline template."""
         t = self.chat_template
         if t is None:
             return None

@@ -107,7 +107,8 @@ class ServingCore:
         self.metrics = ServingMetrics(model_name, self._engine_stats)
         self.admission = AdmissionQueue(config.max_waiting_requests, config.max_waiting_tokens,
                                         retry_after_s=config.retry_after_s)
-        self._chat_template = None  # compiled override template
+        self._chat_template: str | None = None  # the server's template replacing the model's
+        self._chat_unavailable: str | None = None  # why chat is refused, when the model's template is broken
         self._live: dict[str, _Live] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -122,15 +123,23 @@ class ServingCore:
         eng = engine.engine
         cfg, mcfg = eng.config, eng.model.config
         self.engine, self.tokenizer = engine, tokenizer
-        if chat_template is not None:
-            from runtime.tokenizer import chat_template_environment
+        from runtime.tokenizer import compile_chat_template
 
-            self._chat_template = chat_template_environment().from_string(chat_template)
+        self._chat_template, self._chat_unavailable = chat_template, None
+        if chat_template is not None:
+            compile_chat_template(chat_template)  # ServerConfig checked it; a direct caller gets the ValueError
+        elif tokenizer is not None and tokenizer.chat_template is not None:
+            try:
+                compile_chat_template(tokenizer.chat_template)
+            except ValueError as e:  # completions still work; chat requests are refused with the reason
+                self._chat_unavailable = f"model {self.model_name!r}: {e}"
+                logger.warning("%s; chat requests will be refused (--chat-template replaces it)", self._chat_unavailable)
         self.model_info = ModelInfo(
             name=self.model_name, source=source or str(getattr(eng.model, "source", "")),
             architecture=mcfg.architecture, vocab_size=mcfg.vocab_size, max_model_len=cfg.max_model_len,
             eos_token_ids=tuple(eng.eos_ids), has_tokenizer=tokenizer is not None,
-            has_chat_template=chat_template is not None or (tokenizer is not None and tokenizer.chat_template is not None),
+            has_chat_template=chat_template is not None or (
+                tokenizer is not None and tokenizer.chat_template is not None and self._chat_unavailable is None),
             dtype=getattr(eng.model.dtype, "__name__", str(eng.model.dtype)),
             # an engine per replica (runtime/replicas.py): the limits of all of them
             max_num_seqs=cfg.max_num_seqs * eng.num_replicas, page_size=cfg.page_size,
@@ -223,18 +232,15 @@ class ServingCore:
             raise InvalidRequest("this model has no tokenizer, so chat is not available; send token ids",
                                  param="messages")
         msgs = _check_messages(messages)
-        if self._chat_template is not None:
-            ctx = {f"{n}_token": tok.id_to_piece(i)
-                   for n, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("unk", tok.unk_id), ("pad", tok.pad_id))
-                   if i is not None}
-            return self._chat_template.render(messages=msgs, add_generation_prompt=True, tools=None,
-                                              documents=None, **ctx)
-        if tok.chat_template is None:
+        if self._chat_template is None and tok.chat_template is None:
             raise InvalidRequest(f"model {self.model_name!r} has no chat template; use /v1/completions or start "
                                  "the server with --chat-template", param="messages")
+        if self._chat_template is None and self._chat_unavailable is not None:
+            raise InvalidRequest(f"{self._chat_unavailable}; use /v1/completions or start the server with "
+                                 "--chat-template", param="messages")
         try:
-            return tok.apply_chat_template(msgs, add_generation_prompt=True)
-        except Exception as e:  # template errors (raise_exception in the template) are the request's fault
+            return tok.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self._chat_template)
+        except Exception as e:  # the template parsed at start-up; raise_exception in it and the like are the messages' fault
             raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
 
     def _prompt_ids(self, spec: GenerationSpec) -> list[int]:

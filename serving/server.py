@@ -115,7 +115,7 @@ class ServingApp:
     def attach(self, engine, *, tokenizer=None, source: str = "") -> None:
         """Serve `engine` (a runtime.async_engine.AsyncEngine); health turns SERVING."""
         self.engine = engine
-        self.core.attach(engine, tokenizer=tokenizer, source=source, chat_template=self.config.read_chat_template())
+        self.core.attach(engine, tokenizer=tokenizer, source=source, chat_template=self.config.chat_template_text)
         if self.config.status_interval_s > 0:
             self._status_task = asyncio.create_task(self._status_loop(), name="status-log")
         logger.info("serving %r", self.core.model_name)

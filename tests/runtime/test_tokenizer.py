@@ -490,6 +490,12 @@ def test_chat_template_errors(tmp_path):
         Tokenizer.from_pretrained_dir(tmp_path).apply_chat_template(CHAT)
     (tmp_path / "chat_template.jinja").write_text("{{ strftime_now('%Y') | length }}")
     assert Tokenizer.from_pretrained_dir(tmp_path).apply_chat_template(CHAT) == "4"
+    (tmp_path / "chat_template.jinja").write_text("{% if messages %}\n{{ messages[0].content }}")  # no endif
+    broken = Tokenizer.from_pretrained_dir(tmp_path)  # loading does not need the template
+    with pytest.raises(ValueError, match=r"does not parse: .*endif.* \(line 2\)"):
+        broken.apply_chat_template(CHAT)
+    # a template given to the call replaces the model's (transformers' chat_template=)
+    assert broken.apply_chat_template(CHAT[1:2], chat_template="{{ eos_token }}{{ messages | length }}") == "</s>1"
 
 
 def test_pretrained_dir_llama_style_tokenizer_json(tmp_path, transformers_mod):

@@ -268,6 +268,28 @@ def test_chat_errors(client):
                                        tools=[{"type": "function", "function": {"name": "f"}}])
 
 
+def test_a_model_chat_template_that_does_not_parse_refuses_chat_alone(engine):
+    """A model's own template with a syntax error is found at attach: chat is refused with the
+    parse error and the way out, completions still work; a --chat-template replaces it."""
+    import copy
+
+    from runtime.async_engine import AsyncEngine
+    from serving.config import ServerConfig
+    from serving.core import ServingCore
+    from serving.errors import InvalidRequest
+
+    tok = copy.copy(engine.tokenizer)
+    tok._chat_templates = {"default": "{% for m in messages %}{{ m.content }}"}  # no endfor
+    core = ServingCore(ServerConfig(), MODEL_NAME)
+    core.attach(AsyncEngine(engine, start=False), tokenizer=tok)
+    assert not core.model_info.has_chat_template
+    with pytest.raises(InvalidRequest, match=r"does not parse: .*endfor.*\(line 1\); .*--chat-template"):
+        core.render_chat([{"role": "user", "content": "x"}])
+    core.attach(AsyncEngine(engine, start=False), tokenizer=tok, chat_template="{{ bos_token }}{{ messages[0].content }}!")
+    assert core.model_info.has_chat_template
+    assert core.render_chat([{"role": "user", "content": "x"}]) == tok.id_to_piece(tok.bos_id) + "x!"
+
+
 def test_health_and_metrics(server, client):
     assert httpx.get(server.http_url + "/health").json() == {"status": "ok"}
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)

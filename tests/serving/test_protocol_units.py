@@ -167,9 +167,16 @@ def test_server_config_checks(tmp_path):
     assert ServerConfig().host == "127.0.0.1"  # loopback unless told otherwise
     t = tmp_path / "t.jinja"
     t.write_text("{{ messages }}")
-    assert ServerConfig(chat_template=str(t)).read_chat_template() == "{{ messages }}"
+    c = ServerConfig(chat_template=str(t))
+    t.write_text("{{ changed }}")
+    assert c.chat_template_text == "{{ messages }}"  # read once, at validation
     with pytest.raises(ValueError, match="is not a file"):
-        ServerConfig(chat_template=str(tmp_path / "missing.jinja")).read_chat_template()
+        ServerConfig(chat_template=str(tmp_path / "missing.jinja"))
+    t.write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    with pytest.raises(ValueError, match=r"chat template does not parse: .*endfor.* \(line 1\)"):
+        ServerConfig(chat_template=str(t))
+    with pytest.raises(ValueError, match="does not parse"):
+        ServerConfig(chat_template="{{ messages[0].content }")
 
 
 def test_yaml_settings_and_flag_precedence(tmp_path):
