@@ -500,15 +500,11 @@ class Engine:
             if seq.detok is not None:
                 before = len(seq.text)
                 seq.text += seq.detok.step(token)
-                params = seq.group.params
-                if params.stop and len(seq.output_ids) > params.min_tokens:  # (as in vLLM: none before min_tokens)
-                    hit = _find_stop(seq.text, params.stop, before)
-                    if hit is not None:
-                        idx, stop = hit
-                        seq.text = seq.text[:idx]
-                        if finish_reason is None:
-                            self.scheduler.finish(seq.sid, FINISH_STOP, stop)
-                        finish_reason, stop_reason = FINISH_STOP, stop
+                stop = _cut_at_stop(seq, before)
+                if stop is not None:
+                    if finish_reason is None:
+                        self.scheduler.finish(seq.sid, FINISH_STOP, stop)
+                    finish_reason, stop_reason = FINISH_STOP, stop
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
             group = seq.group
@@ -517,10 +513,14 @@ class Engine:
                 if g.finished or (partial and g.params.output_kind != OUTPUT_FINAL_ONLY)]
 
     def _finish_seq(self, seq: _Seq, reason: str, stop_reason) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._seqs.pop(seq.sid, None)
         if seq.detok is not None and not (reason == FINISH_STOP and isinstance(stop_reason, str)):
-            seq.text += seq.detok.flush()
+            before = len(seq.text)
+            seq.text += seq.detok.flush()  # a held incomplete character, as U+FFFD
+            stop = _cut_at_stop(seq, before) if reason != FINISH_ABORT else None
+            if stop is not None:
+                reason, stop_reason = FINISH_STOP, stop
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         group = seq.group
         if group.to_fork == 0 and all(s.finished for s in group.seqs):
             group.finished = True
@@ -623,14 +623,21 @@ def frozen_heap(*, collect: bool = False):
                 gc.unfreeze()
 
 
-def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:
-    """The earliest stop string that ends in text[new_from:], as (start index, stop string)."""
+def _cut_at_stop(seq: _Seq, new_from: int) -> str | None:
+    """The stop string that ends earliest in seq.text[new_from:], after cutting the text where it
+    starts; None when there is none, or before min_tokens tokens (as in vLLM)."""
+    params = seq.group.params
+    if not params.stop or len(seq.output_ids) <= params.min_tokens:
+        return None
     best = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
+    for s in params.stop:
+        i = seq.text.find(s, max(0, new_from - len(s) + 1))
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
-    return best
+    if best is None:
+        return None
+    seq.text = seq.text[: best[0]]
+    return best[1]
 
 
 def _kv_dtype(model: LoadedModel, config: EngineConfig):

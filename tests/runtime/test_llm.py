@@ -105,6 +105,21 @@ def test_stop_strings_wait_for_min_tokens(llm):
     llm.engine.check_invariants()
 
 
+def test_the_final_flush_is_checked_against_stop_strings(llm):
+    """An incomplete character at the end becomes U+FFFD only when the sequence ends; a stop string
+    in that last text cuts it as anywhere else."""
+    lead = llm.tokenizer.piece_to_id("<0xE2>")  # the first of a three-byte character's bytes
+    params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={lead: 100.0})
+    c = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == ([lead], "\ufffd", "length")
+    for stop in ("\ufffd", "zz"):
+        c = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, logit_bias={lead: 100.0},
+                                                    stop=["zz", stop]))[0].outputs[0]
+        want = ("", "stop", "\ufffd") if stop == "\ufffd" else ("\ufffd", "length", None)
+        assert (c.text, c.finish_reason, c.stop_reason) == want
+    llm.engine.check_invariants()
+
+
 def test_output_kinds_carry_the_same_sequence(llm):
     """cumulative, delta and final_only outputs of one request (n=2, logprobs, a stop string held
     back while streaming) add up to the same final output; the prompt list is shared, not copied."""
