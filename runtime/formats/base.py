@@ -26,7 +26,7 @@ class TensorSource(Protocol):
     config: ModelConfig
     dtype: np.dtype  # the checkpoint's own weight dtype (what `--dtype auto` loads)
 
-    def keys(self) -> Iterable[str]: ...
+    def keys(self) -> Iterable[str]: ...  # every tensor it holds, by HF name where it has one
 
     def get(self, name: str) -> np.ndarray: ...  # HF name -> array in HF layout
 

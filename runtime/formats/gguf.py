@@ -104,10 +104,13 @@ class GGUFSource:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         self._tensors = {}  # HF name -> ReaderTensor
+        self._unmapped = []  # GGUF names of tensors no HF name maps to: loading refuses them
         for t in self._reader.tensors:
             name = hf_name(t.name)
             if name is not None:
                 self._tensors[name] = t
+            elif t.name != "rope_freqs.weight":  # (read into the config's rope scaling)
+                self._unmapped.append(t.name)
         self.config = self._build_config()
 
     # -------------------------------------------------------------------------------- metadata
@@ -216,7 +219,9 @@ class GGUFSource:
     # --------------------------------------------------------------------------------- tensors
 
     def keys(self):
-        return self._tensors.keys()
+        """Every tensor the file holds: by HF name, or by its GGUF name where none maps to it (such
+        as a mixture-of-experts block's `ffn_gate_inp`), which no model param is built from."""
+        return [*self._tensors, *self._unmapped]
 
     def get(self, name: str) -> np.ndarray:
         t = self._tensors.get(name)

@@ -306,6 +306,18 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
         load_model(tmp_path / "q51.gguf", progress=False)
 
 
+def test_tensors_the_model_does_not_use_are_refused(tmp_path):
+    """A tensor no model param is built from (here a mixture-of-experts router in a block) would be
+    dropped and the model run without it; loading names it instead. rope_freqs is read (above)."""
+    hp, tensors = tiny_tensors()
+    router = np.random.default_rng().standard_normal((4, hp["hidden_size"])).astype(np.float32)
+    tensors["blk.1.ffn_gate_inp.weight"] = (router, None)
+    write_gguf(tmp_path / "moe.gguf", "llama", hp, tensors)
+    with pytest.raises(CheckpointError, match=r"moe.gguf: 1 checkpoint tensors would be left unused "
+                                              r"\('blk.1.ffn_gate_inp.weight'\); the model config has no parameter"):
+        load_model(tmp_path / "moe.gguf", progress=False)
+
+
 def test_truncated_gguf(tmp_path):
     hp, tensors = tiny_tensors()
     path = tmp_path / "full.gguf"
