@@ -32,7 +32,7 @@ from typing import AsyncIterator, Sequence
 
 from runtime.engine import Engine, EngineStats, frozen_heap
 from runtime.llm import RequestOutput
-from runtime.request import SamplingParams, new_request_id
+from runtime.request import SamplingParams, new_request_id, validate_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,7 @@ class AsyncEngine:
             raise ValueError("give exactly one of prompt and prompt_token_ids")
         if not isinstance(request.priority, int) or isinstance(request.priority, bool):
             raise ValueError(f"priority must be an int, got {request.priority!r}")
-        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {request.cache_salt!r}")
+        validate_cache_salt(request.cache_salt)
         if request.request_id is not None and not isinstance(request.request_id, str):
             raise ValueError(f"request_id must be a string or None, got {request.request_id!r}")
         text, ids = self.engine.prepare_prompt(

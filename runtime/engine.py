@@ -487,7 +487,8 @@ class Engine:
         self._counts["generated"] += generated
 
     def _emit(self, partial: bool) -> list[RequestOutput]:
-        touched: dict[str, _Group] = {g.request_id: g for g in self._ready}
+        # by group, not id: an aborted request's id may be reused before its final output is built
+        touched: dict[int, _Group] = {id(g): g for g in self._ready}
         self._ready = []
         pending, self._pending = self._pending, []
         for seq, token, lp_row, finish_reason, stop_reason in pending:
@@ -508,7 +509,7 @@ class Engine:
             if finish_reason is not None:
                 self._finish_seq(seq, finish_reason, stop_reason)
             group = seq.group
-            touched[group.request_id] = group
+            touched[id(group)] = group
         return [self._output(g) for g in touched.values()
                 if g.finished or (partial and g.params.output_kind != OUTPUT_FINAL_ONLY)]
 

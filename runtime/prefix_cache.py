@@ -34,7 +34,8 @@ class PrefixCache:
 
     # -- hashing --------------------------------------------------------------------------------
     def root_hash(self, cache_salt: str | None) -> bytes:
-        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+        # surrogatepass: a lone surrogate (JSON allows "\ud800") is a salt like any other
+        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
         return hashlib.sha256(self._key + b"root" + salt).digest()
 
     def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int], cache_salt: str | None, num_pages: int) -> None:

@@ -64,6 +64,7 @@ from runtime.request import (
     Request,
     RequestStatus,
     SamplingParams,
+    validate_cache_salt,
     validate_prompt,
 )
 
@@ -212,7 +213,7 @@ class Scheduler:
             max_tokens=self._resolve_max_tokens(request_id, len(prompt), params),
             eos_token_ids=frozenset(int(t) for t in eos_token_ids),
             priority=int(priority),
-            cache_salt=cache_salt,
+            cache_salt=validate_cache_salt(cache_salt),
             arrival=self._next_arrival,
         )
         self._next_arrival += 1

@@ -282,6 +282,24 @@ def test_n_samples_aborted_before_their_fork_all_end(engine, workload):
     check_idle(engine)
 
 
+def test_an_id_reused_after_an_abort_gets_both_final_outputs(engine, workload):
+    """Engine frees an aborted request's id at once; a new request under it, aborted before the
+    next step too, must not hide the first one's final output."""
+    _, prompt, _ = workload[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="x")
+    engine.step()
+    assert engine.abort("x")
+    engine.add_request(prompt[:3], params, request_id="x")
+    assert engine.abort("x")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [(o.request_id, len(o.prompt_token_ids), o.finished) for o in outs] == [
+        ("x", len(prompt), True), ("x", 3, True)]
+    check_idle(engine)
+
+
 def test_sample_seeds():
     assert sample_seed(1234, 0) == 1234 and sample_seed(-3, 0) == -3
     seeds = {sample_seed(s, i) for s in range(64) for i in range(1, 9)}

@@ -453,6 +453,15 @@ def test_cache_salt_prevents_sharing():
     h.add("c", p, cache_salt="t1")
     h.run()
     assert h.reqs["b"].num_cached_tokens == 0 and h.reqs["c"].num_cached_tokens == 12
+    # any string is a salt, a lone surrogate (JSON's "\ud800") too; it was hashed inside the step
+    # with strict UTF-8, and the error ended the engine loop for every request
+    h.add("d", p, cache_salt="\ud800")
+    h.run()
+    h.add("e", p, cache_salt="\ud800")
+    h.run()
+    assert h.reqs["d"].num_cached_tokens == 0 and h.reqs["e"].num_cached_tokens == 12
+    with pytest.raises(ValueError, match="cache_salt must be a string or None, got 5"):
+        h.add("f", p, cache_salt=5)
     h.check_all_exact()
     h.check_drained()
 
