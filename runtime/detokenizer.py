@@ -27,7 +27,7 @@ import enum
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -102,6 +102,11 @@ class PieceTable:
     def size(self) -> int:
         return len(self.pieces)
 
+    def padded(self, size: int) -> PieceTable:
+        """This table grown to `size` ids, the new ones decoding to nothing (as HF tokenizers
+        skips ids it does not know)."""
+        return replace(self, pieces=self.pieces + (b"",) * (size - len(self.pieces)))
+
     def check_id(self, token_id: int) -> int:
         try:
             i = operator.index(token_id)
@@ -140,6 +145,8 @@ class PieceTable:
                     out.clear()
                 continue
             piece = self.pieces[i]
+            if not piece:  # (ids past the tokenizer's vocabulary in a model's padded one: PieceTable.padded)
+                continue
             if first:
                 first = False
                 piece = self.first_piece_bytes(i, piece)
@@ -245,8 +252,10 @@ class IncrementalDetokenizer:
 
     def step(self, new_ids: int | Iterable[int]) -> str:
         """Adds generated ids; returns the text they complete (possibly empty)."""
-        if isinstance(new_ids, int):
-            new_ids = (new_ids,)
+        try:  # one id: an int, a numpy integer, a 0-d array
+            new_ids = (operator.index(new_ids),)
+        except TypeError:
+            pass
         return self._feed(new_ids, final=False)
 
     def flush(self) -> str:
@@ -269,6 +278,8 @@ class IncrementalDetokenizer:
                     out.clear()
                 continue
             piece = table.pieces[i]
+            if not piece:
+                continue
             if self._first_piece:
                 self._first_piece = False
                 piece = table.first_piece_bytes(i, piece)

@@ -216,7 +216,8 @@ class Engine:
         )
         self.config = config
         self.model = model
-        self.tokenizer = tokenizer
+        # (a tokenizer with fewer tokens than the model's rows decodes the extra ids to nothing)
+        self.tokenizer = tokenizer.for_model(cfg.vocab_size, model.source) if tokenizer is not None else None
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_ids if tokenizer is not None else ()
         self.eos_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)

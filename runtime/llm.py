@@ -150,19 +150,19 @@ class LLM:
         from runtime.engine import frozen_heap
 
         with frozen_heap(), tqdm(total=len(prompt_list), desc="generating", unit="req", disable=not show) as bar:
-            while todo or unchecked or engine.has_unfinished():
-                self._queue(todo, ids)
-                outs = engine.step(partial=False)
-                if unchecked:
-                    try:
+            try:
+                while todo or unchecked or engine.has_unfinished():
+                    self._queue(todo, ids)
+                    outs = engine.step(partial=False)
+                    if unchecked:
                         self._check(unchecked, todo, first_step=False)
-                    except Exception:
-                        self._withdraw(ids)
-                        raise
-                for out in outs:
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+                    for out in outs:
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+            except BaseException:  # a bad prompt, Ctrl-C, an engine error: the LLM stays usable
+                self._withdraw(ids)
+                raise
         return [results[rid] for rid in ids]
 
     def _check(self, unchecked: deque, todo: deque, *, first_step: bool) -> None:
@@ -184,20 +184,15 @@ class LLM:
     def _queue(self, todo: deque, ids: list[str]) -> None:
         """Queue prompts from `todo` until the scheduler holds two steps' worth of prompt tokens or
         max_num_seqs requests waiting: each step then fills its token budget and its free slots as
-        if every prompt had been queued up front. If queueing fails, every request of the call is
-        withdrawn and the error raised."""
+        if every prompt had been queued up front."""
         if not todo:  # every prompt is queued: nothing to count (the decode steps' path)
             return
         engine = self.engine
         waiting, tokens = engine.waiting()
-        try:
-            while todo and self._room(waiting, tokens):
-                prompt_ids, text, sp = todo.popleft()
-                ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text))
-                waiting, tokens = waiting + 1, tokens + len(prompt_ids)
-        except Exception:
-            self._withdraw(ids)
-            raise
+        while todo and self._room(waiting, tokens):
+            prompt_ids, text, sp = todo.popleft()
+            ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text))
+            waiting, tokens = waiting + 1, tokens + len(prompt_ids)
 
     def _room(self, requests: int, tokens: int) -> bool:
         """Whether the queue window (max_num_seqs requests, two steps' worth of prompt tokens, each

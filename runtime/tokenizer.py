@@ -11,6 +11,7 @@ Decoding is the inverse of encoding: unlike transformers we never apply
 
 from __future__ import annotations
 
+import copy
 import functools
 import heapq
 import json
@@ -173,6 +174,22 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._table.decode(ids, skip_special_tokens)
+
+    def for_model(self, vocab_size: int, model: object = "") -> Tokenizer:
+        """This tokenizer for a model with `vocab_size` embedding rows. Itself when they match;
+        when the model has more (embeddings padded to a multiple of 64 or 128: Qwen2.5's 151,936
+        rows for 151,665 tokens), a copy whose extra ids, which the model may still sample, decode
+        to nothing, as HF tokenizers skips ids it does not know; ValueError when it has fewer."""
+        n = self.vocab_size
+        if vocab_size == n:
+            return self
+        if vocab_size < n:
+            raise ValueError(f"tokenizer {self._source} has {n} tokens; the model {model} has a vocabulary of "
+                             f"{vocab_size}: they do not match (pass the model's own tokenizer)")
+        out = copy.copy(self)
+        out._table = self._table.padded(vocab_size)
+        out._pieces = self._pieces + ("",) * (vocab_size - n)
+        return out
 
     def incremental_detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True

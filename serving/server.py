@@ -174,17 +174,9 @@ def build_engine(settings: ServeSettings, model: str):
                         progress=config.progress)
     if tokenizer is None and loaded.tokenizer_path is not None:
         tokenizer = load_tokenizer(loaded.tokenizer_path)
-    check_vocab(tokenizer, settings.tokenizer or loaded.tokenizer_path, loaded.config.vocab_size, loaded.source)
+    # refuses a tokenizer with more tokens than the model has rows, before compiling
     engine = make_engine(loaded, config, tokenizer=tokenizer)  # compiles every bucket (progress bar)
-    return AsyncEngine(engine), tokenizer, str(loaded.source)
-
-
-def check_vocab(tokenizer, tokenizer_path, model_vocab_size: int, model_source) -> None:
-    """Refuse a tokenizer whose ids the model has no embedding rows for (fewer tokens than rows is
-    normal: embeddings padded to a multiple of 64 or 128). Unchecked, every text request got a 400."""
-    if tokenizer is not None and tokenizer.vocab_size > model_vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens; the model {model_source} "
-                         f"has a vocabulary of {model_vocab_size}: they do not match (pass the model's own tokenizer)")
+    return AsyncEngine(engine), engine.tokenizer, str(loaded.source)
 
 
 _LOAD_THREAD = "xlaserve-load"
