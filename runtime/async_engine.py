@@ -211,7 +211,10 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(ids, req.sampling_params, request_id=rid, priority=req.priority,
                                             cache_salt=req.cache_salt, prompt_text=text)
-                except (ValueError, TypeError) as e:  # this request's own fault: its stream hears of it
+                except Exception as e:  # only this request's stream hears of it; the loop serves the others
+                    if not isinstance(e, (ValueError, TypeError)):  # (the request's own fault) a bug a check missed
+                        logger.exception("request %r failed to queue", rid)
+                        self.engine.abort(rid)  # whatever part of it was queued
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
                 _, rid, q = cmd

@@ -28,6 +28,10 @@ OUTPUT_KINDS = (OUTPUT_CUMULATIVE, OUTPUT_DELTA, OUTPUT_FINAL_ONLY)
 MAX_LOGIT_BIAS = 32
 
 
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_ALL_TOKENS = 2**31 - 1  # a top_k at least this keeps every token (the sampling rows hold it as an int32)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Validated on construction; the engine samples inside the step.
@@ -86,15 +90,25 @@ class SamplingParams:
         if self.top_k == -1:  # the vLLM / HF spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self._validate()
+        if self.top_k >= _ALL_TOKENS:  # more than any vocabulary: every token, as disabled (vLLM clamps it)
+            object.__setattr__(self, "top_k", 0)
+        for name in _FLOATS:  # floats, and -0.0 as 0.0: the sampling rows tell settings by their bits
+            object.__setattr__(self, name, float(getattr(self, name)) + 0.0)
 
     def _validate(self) -> None:
         def fail(msg: str) -> None:
             raise ValueError(msg)
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in _FLOATS:
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 fail(f"{name} must be a number, got {v!r}")
+            try:
+                finite = math.isfinite(v)
+            except OverflowError:  # an int past float's range
+                finite = False
+            if not finite:
+                fail(f"{name} must be a finite number, got {v if isinstance(v, float) else f'an int of {len(str(v))} digits'}")
 
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             fail(f"temperature must be a finite number >= 0, got {self.temperature}")

@@ -235,6 +235,11 @@ class Scheduler:
                     f"(room is needed for at least one generated token)"
                 )
             max_tokens = L - n_prompt
+            if params.min_tokens > max_tokens:  # (with max_tokens set, SamplingParams checks it)
+                raise ValueError(
+                    f"request {request_id!r}: min_tokens {params.min_tokens} is more than the {max_tokens} tokens "
+                    f"it can generate (max_model_len {L} - prompt {n_prompt})"
+                )
         else:
             max_tokens = params.max_tokens
             if n_prompt + max_tokens > L:

@@ -568,6 +568,25 @@ def test_async_engine_request_ids_and_bad_requests(engine, workload):
                 with pytest.raises(ValueError, match=needle):
                     ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params, **bad))
             assert ae.health().healthy
+            # a request that fails to queue for a reason no check foresaw fails its own stream alone
+            add = engine.add_request
+
+            def broken_add(ids, p, **kw):
+                if kw["request_id"] == "broken":
+                    raise OverflowError("a value no check bounded")
+                return add(ids, p, **kw)
+
+            engine.add_request = broken_add
+            try:
+                broken = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params,
+                                                     request_id="broken"))
+                fine = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params))
+                with pytest.raises(OverflowError, match="no check bounded"):
+                    await drain(broken)
+                assert (await drain(fine)).outputs[0].finish_reason == "length"
+            finally:
+                del engine.add_request
+            assert ae.health().healthy
         finally:
             ae.shutdown()
 

@@ -9,6 +9,7 @@ a request generated alone (reference_generate) catches it.
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -273,6 +274,21 @@ def test_sampling_params_validation():
     assert none.stop == [] and none.stop_token_ids == []
     with pytest.raises(AttributeError):
         p.temperature = 0.5
+    # The sampling rows read settings by their bits: -0.0 penalties (valid JSON) asked for penalty
+    # histories the engine had not kept, and a top_k past int32 overflowed its row; both ended the
+    # engine loop. -0.0 is 0.0, and a top_k above any vocabulary keeps every token, as disabled.
+    z = SamplingParams(temperature=-0.0, presence_penalty=-0.0, frequency_penalty=-0.0, min_p=-0.0, top_p=1)
+    for name in ("temperature", "presence_penalty", "frequency_penalty", "min_p"):
+        assert math.copysign(1.0, getattr(z, name)) == 1.0, name
+    assert type(z.top_p) is float and SamplingParams(top_k=2**31).top_k == 0 and SamplingParams(top_k=2**31 - 2).top_k == 2**31 - 2
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got an int of 401 digits"):
+            SamplingParams(**{name: 10**400})
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got nan"):
+            SamplingParams(**{name: float("nan")})
+    h = Harness(num_pages=64, page_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match=r"min_tokens 30 is more than the 27 tokens it can generate \(max_model_len 32 - prompt 5\)"):
+        h.add("a", [1, 2, 3, 4, 5], SamplingParams(min_tokens=30, max_tokens=None))
 
 
 def test_watermark_holds_back_admission_while_others_run():
