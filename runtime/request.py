@@ -108,7 +108,7 @@ class SamplingParams:
             except OverflowError:  # an int past float's range
                 finite = False
             if not finite:
-                fail(f"{name} must be a finite number, got {v if isinstance(v, float) else f'an int of {len(str(v))} digits'}")
+                fail(f"{name} must be a finite number, got {v if isinstance(v, float) else 'an int past the range of floats'}")
 
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             fail(f"temperature must be a finite number >= 0, got {self.temperature}")

@@ -54,6 +54,7 @@ class GenerationSpec:
     cache_salt: str | None = None
     timeout_s: float | None = None  # the client's deadline, from now
     arrival: float = field(default_factory=time.monotonic)
+    logprobs_param: str = "logprobs"  # what the client's API calls params.logprobs (OpenAI chat: top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ class ServingCore:
             raise InvalidRequest("prompt has 0 tokens; at least 1 is needed", param="prompt")
         return ids
 
-    def check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_limits(self, num_prompt_tokens: int, params: SamplingParams, logprobs_param: str = "logprobs") -> None:
         """The server's limits, each error naming the value and the limit (the engine checks the rest)."""
         info, cfg = self.model_info, self.config
         L = info.max_model_len
@@ -284,8 +285,8 @@ class ServingCore:
             raise InvalidRequest(f"{nstop} stop strings and stop token ids given; max_stop is {cfg.max_stop}",
                                  param="stop")
         if params.logprobs is not None and params.logprobs > info.max_logprobs:
-            raise InvalidRequest(f"logprobs is {params.logprobs}; max_logprobs is {info.max_logprobs}",
-                                 param="logprobs")
+            raise InvalidRequest(f"{logprobs_param} is {params.logprobs}; max_logprobs is {info.max_logprobs}",
+                                 param=logprobs_param)
         if num_prompt_tokens >= L:
             raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is {L} (room is needed "
                                  f"for at least one generated token)", param="prompt", code="context_length_exceeded")
@@ -323,7 +324,7 @@ class ServingCore:
             if spec.request_id is not None:
                 _check_request_id(spec.request_id)
             ids = await asyncio.to_thread(self._prompt_ids, spec)
-            self.check_limits(len(ids), spec.params)
+            self.check_limits(len(ids), spec.params, spec.logprobs_param)
             self._check_accepting()  # the state may have changed while tokenizing
             ticket = self.admission.admit(len(ids))
         except ServingError as e:

@@ -14,6 +14,7 @@ Streaming answers are server-sent events ending with `data: [DONE]`. A client th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -56,8 +57,13 @@ def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None) -> Starl
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
     ]
-    handlers = {ServingError: _serving_error, HTTPException: _http_error, Exception: _internal_error}
+    handlers = {ServingError: _serving_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+                Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    return Response(status_code=499)  # the client went away while sending its body: nobody reads this
 
 
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
@@ -95,13 +101,15 @@ class _Api:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"request body has {declared} bytes; max_body_bytes is {limit}")
         body = bytearray()
-        async for chunk in request.stream():
+        async for chunk in request.stream():  # (a client gone meanwhile: ClientDisconnect, _client_gone)
             body += chunk
             if len(body) > limit:
                 raise BodyTooLarge(f"request body has more than {limit} bytes; max_body_bytes is {limit}")
         try:
             obj = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except RecursionError:
+            raise InvalidRequest("the request body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits)
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
         if not isinstance(obj, dict):
             raise InvalidRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
@@ -160,17 +168,21 @@ class _Api:
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.core.model_info.max_model_len})
 
     async def completions(self, request: Request) -> Response:
-        body = await self._json(request)
-        return await self._generate(request, parse_completion(body, self._served()), "cmpl")
+        return await self._generate(request, parse_completion, "cmpl")
 
     async def chat(self, request: Request) -> Response:
-        body = await self._json(request)
-        return await self._generate(request, parse_chat(body, self._served()), "chatcmpl")
+        return await self._generate(request, parse_chat, "chatcmpl")
 
     # -- generation -----------------------------------------------------------------------------
-    async def _generate(self, request: Request, req: ParsedRequest, prefix: str) -> Response:
+    async def _generate(self, request: Request, parse, prefix: str) -> Response:
+        try:
+            req: ParsedRequest = parse(await self._json(request), self._served())
+        except (InvalidRequest, BodyTooLarge, NotFound):  # counted as the core counts what it refuses
+            self.core.metrics.request_failed("invalid")
+            raise
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        common = dict(params=req.params, request_id=rid, priority=req.priority, cache_salt=req.cache_salt)
+        common = dict(params=req.params, request_id=rid, priority=req.priority, cache_salt=req.cache_salt,
+                      logprobs_param="top_logprobs" if req.kind == "chat" else "logprobs")
         if req.prompts is None:
             streams = [await self.core.submit(GenerationSpec(text=req.text, token_ids=req.token_ids,
                                                              messages=req.messages, **common))]
@@ -243,12 +255,14 @@ async def _until_disconnect(request: Request, coro):
 
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not work.done():
             work.cancel()
-    if work.cancelled():
+    if work not in done:  # (cancel() only asks: the task is not cancelled until it runs again)
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
         return None
     return work.result()
 

@@ -35,13 +35,25 @@ class ParsedRequest:
     prompts: list[str | list[int]] | None = None
 
 
+# vLLM's structured-output request fields (guided decoding); none is supported
+_STRUCTURED_OUTPUT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                            "structured_outputs")
+
+
 # -- field readers -------------------------------------------------------------------------------
 def _number(body, name, default, *, lo=None, hi=None, lo_open=False):
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidRequest(f"{name} must be a number, got {v!r}", param=name)
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an integer past float's range
+        finite = False
+    if not finite:
+        shown = v if isinstance(v, float) else "an integer past the range of floats"
+        raise InvalidRequest(f"{name} must be a finite number, got {shown}", param=name)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise InvalidRequest(f"{name} is {v}; it must be {'>' if lo_open else '>='} {lo}", param=name)
     if hi is not None and v > hi:
@@ -150,6 +162,12 @@ def _stream_opts(body, stream: bool) -> bool:
 
 
 def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[SamplingParams, int, str | None]:
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise InvalidRequest(f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
+                             param="response_format")
+    for name in _STRUCTURED_OUTPUT:  # vLLM's: silently ignored, they would give unconstrained text
+        _refuse(body, name, why="(structured output) is not supported")
     n = _integer(body, "n", 1, lo=1)
     best_of = _integer(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
@@ -184,7 +202,8 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
 
 def parse_completion(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
-    _refuse(body, "echo", allowed=(None, False))
+    if _boolean(body, "echo", False):
+        raise InvalidRequest("echo is not supported by this server", param="echo")
     _refuse(body, "suffix")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)
@@ -224,11 +243,8 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     for name in ("tools", "functions"):
         _refuse(body, name, why="(tool calling) is not supported")
     _refuse(body, "tool_choice", allowed=(None, "none"), why="(tool calling) is not supported")
+    _refuse(body, "function_call", allowed=(None, "none"), why="(tool calling) is not supported")
     _refuse(body, "audio")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise InvalidRequest(f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
-                             param="response_format")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)
     messages = body.get("messages")

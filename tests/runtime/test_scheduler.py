@@ -282,7 +282,7 @@ def test_sampling_params_validation():
         assert math.copysign(1.0, getattr(z, name)) == 1.0, name
     assert type(z.top_p) is float and SamplingParams(top_k=2**31).top_k == 0 and SamplingParams(top_k=2**31 - 2).top_k == 2**31 - 2
     for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty"):
-        with pytest.raises(ValueError, match=f"{name} must be a finite number, got an int of 401 digits"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got an int past the range of floats"):
             SamplingParams(**{name: 10**400})
         with pytest.raises(ValueError, match=f"{name} must be a finite number, got nan"):
             SamplingParams(**{name: float("nan")})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 
 import httpx
 import pytest
@@ -260,12 +262,54 @@ def test_http_level_errors(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_malformed_bodies_are_400s_and_counted(server):
+    """JSON that parses in no Python object (too deep, an integer of over 4,300 digits) and numbers
+    past float's range were 500s; every 400 before the engine is counted as an invalid request."""
+    url, label = server.base_url + "/completions", f'model_name="{MODEL_NAME}"'
+    key = f'xlaserve:request_failure_total{{{label},reason="invalid"}}'
+
+    def invalid() -> float:
+        text = httpx.get(server.http_url + "/metrics").text
+        return next((float(x.split(" ")[1]) for x in text.splitlines() if x.startswith(key + " ")), 0.0)
+
+    before = invalid()
+    bodies = [b"[" * 100_000 + b"]" * 100_000, b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}",
+              json.dumps({"model": MODEL_NAME, "prompt": PROMPT, "temperature": 10**400}).encode(),
+              json.dumps({"model": "other", "prompt": PROMPT}).encode(), b"{not json"]
+    for body in bodies:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code in (400, 404) and r.json()["error"]["type"] != "server_error", (body[:40], r.text)
+    assert invalid() == before + len(bodies)
+
+
+def test_a_client_gone_while_sending_its_body_is_not_an_error(server, caplog):
+    sent, messages = [], [{"type": "http.request", "body": b'{"model": ', "more_body": True},
+                          {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80)}
+    server.call(server.app.app(scope, receive, send))
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_chat_errors(client):
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "robot", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="tool calling"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs is 21; max_logprobs is 20") as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_a_model_chat_template_that_does_not_parse_refuses_chat_alone(engine):
@@ -355,15 +399,18 @@ def test_disconnect_cancels_the_request(server):
     assert finished_count(server.core, "abort") == aborted + 1
 
 
-def test_non_streaming_disconnect_cancels_the_request(server):
+def test_non_streaming_disconnect_cancels_the_request(server, caplog):
     """A client that gives up on a non-streaming answer: the server cancels its request (held steps:
-    it cannot finish first, as it once did in under the client's 0.3 s)."""
+    it cannot finish first, as it once did in under the client's 0.3 s), quietly (it logged an
+    "unhandled error" for each, reading the result of a task it had only asked to cancel)."""
     aborted = finished_count(server.core, "abort")
     with steps_held_until_cancel(server), pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", timeout=0.3,
                    json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 250 - 5, "ignore_eos": True})
     server.call(server.core.wait_idle(), timeout=30)
     assert finished_count(server.core, "abort") == aborted + 1
+    time.sleep(0.2)  # (the handler's last lines run after the abort)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_api_keys(engine):

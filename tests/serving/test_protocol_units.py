@@ -80,6 +80,13 @@ def test_completion_batch_of_prompts():
     (dict(prompt=None), "prompt"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(seed=1.5), "seed"),
+    (dict(echo=0), "echo"),  # not a boolean (0 == False passed as "not asked for")
+    (dict(echo=[]), "echo"),
+    (dict(temperature=10**400), "temperature"),  # past float's range: was an OverflowError, a 500
+    (dict(response_format={"type": "json_object"}), "response_format"),  # was ignored on completions
+    (dict(guided_json={"type": "object"}), "guided_json"),
+    (dict(guided_choice=["a", "b"]), "guided_choice"),
+    (dict(structured_outputs={"regex": "a+"}), "structured_outputs"),
 ])
 def test_completion_bad_parameters_name_the_parameter(kw, param):
     with pytest.raises(InvalidRequest) as e:
@@ -109,7 +116,8 @@ def test_chat_parsing():
     assert r.params.max_tokens == 5 and r.params.logprobs == 3 and r.chat_logprobs
     assert parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, M).params.logprobs == 0
     for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-                       ({"response_format": {"type": "json_object"}}, "response_format"), ({"messages": []}, "messages")]:
+                       ({"response_format": {"type": "json_object"}}, "response_format"), ({"messages": []}, "messages"),
+                       ({"function_call": {"name": "f"}}, "function_call"), ({"guided_regex": "a+"}, "guided_regex")]:
         with pytest.raises(InvalidRequest) as e:
             parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], **bad}, M)
         assert e.value.param == param
