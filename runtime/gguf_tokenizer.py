@@ -14,6 +14,7 @@ The type codes come from the `gguf` package, and a test checks both readers agre
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from gguf.constants import GGUF_MAGIC, GGUFValueType, TokenType
+
+logger = logging.getLogger(__name__)
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "B",
@@ -211,8 +214,9 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:
         v = meta.get(f"tokenizer.ggml.{key}")
         if v is None:
             return None
-        if not 0 <= v < n:
-            raise ValueError(f"{path}: tokenizer.ggml.{key} is {v}, outside the vocabulary of {n}")
+        if not 0 <= v < n:  # (often padding_token_id = n) llama.cpp warns and goes on without it, as here
+            logger.warning("%s: tokenizer.ggml.%s is %s, outside the vocabulary of %d; ignored", path, key, v, n)
+            return None
         return int(v)
 
     templates = {

@@ -522,6 +522,10 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
         tok = HFTokenizer.from_file(str(path))
     except Exception as e:  # JSONDecodeError, tokenizers' Exception
         raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+    # A file saved with truncation or padding on would cut and pad every prompt; transformers
+    # ignores both settings of the file too.
+    tok.no_truncation()
+    tok.no_padding()
     special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
     parts = _hf_parts(tok, str(path), decoder=spec.get("decoder"), special=special)
     probe = tok.encode("", add_special_tokens=True).ids

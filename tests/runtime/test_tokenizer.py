@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from runtime.detokenizer import StripMode
 from runtime.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer, read_gguf_metadata
 from runtime.tokenizer import Tokenizer, load_tokenizer
-from tests.testing.data import shared_data_dir, smollm2_gguf_path
+from tests.testing.data import shared_data_dir, smollm2_gguf_path, write_bpe_gguf
 
 GGML_VOCABS = ("llama-bpe", "llama-spm", "qwen2")
 GGML_CASES = 46  # strings per .inp file (shared/data/README.md)
@@ -623,34 +623,42 @@ def test_corrupt_files(tmp_path):
         load_tokenizer(tmp_path / "mystery.txt")
 
 
-def _write_bpe_gguf(path: Path, pre: str | None) -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(["a", "b", "ab", "Ġ", "Ġab", "<|end|>"])
-    w.add_token_types([1, 1, 1, 1, 1, 3])
-    w.add_token_merges(["a b", "Ġ ab"])
-    w.add_eos_token_id(5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-
-
 def test_unknown_gguf_pre_tokenizer(tmp_path):
-    _write_bpe_gguf(tmp_path / "odd.gguf", "made-up-pre")
+    write_bpe_gguf(tmp_path / "odd.gguf", "made-up-pre")
     with pytest.raises(ValueError, match="'made-up-pre'.*not supported") as e:
         Tokenizer.from_gguf(tmp_path / "odd.gguf")
     assert "llama-bpe" in str(e.value) and set(PRE_TOKENIZERS) >= {"llama-bpe", "qwen2", "smollm", "default"}
 
 
 def test_small_bpe_gguf(tmp_path):
-    _write_bpe_gguf(tmp_path / "ok.gguf", None)  # no tokenizer.ggml.pre: GPT-2's split
+    write_bpe_gguf(tmp_path / "ok.gguf", None)  # no tokenizer.ggml.pre: GPT-2's split
     tok = Tokenizer.from_gguf(tmp_path / "ok.gguf")
     assert tok.encode("ab ab<|end|>") == [2, 4, 5] and tok.eos_ids == (5,)
     assert tok.decode([2, 4, 5]) == "ab ab" and tok.decode([2, 4, 5], skip_special_tokens=False) == "ab ab<|end|>"
+
+
+def test_gguf_special_ids_outside_the_vocabulary_are_ignored(tmp_path, caplog):
+    """As llama.cpp does (a padding_token_id equal to the vocabulary size is common): a warning, not
+    a file that cannot load."""
+    write_bpe_gguf(tmp_path / "pad.gguf", pad_id=6)
+    tok = Tokenizer.from_gguf(tmp_path / "pad.gguf")
+    assert tok.pad_id is None and tok.eos_ids == (5,) and tok.encode("ab ab") == [2, 4]
+    assert "tokenizer.ggml.padding_token_id is 6, outside the vocabulary of 6; ignored" in caplog.text
+
+
+def test_tokenizer_json_saved_truncation_and_padding_are_ignored(tmp_path):
+    """tokenizers saves truncation/padding settings in the file; applied, they cut and padded every
+    prompt (transformers ignores them too)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.enable_truncation(max_length=2)
+    hf.enable_padding(length=6, pad_id=0, pad_token="[UNK]")
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    assert tok.encode("a b a b") == [1, 2, 1, 2] and tok.encode("b") == [2] and not tok.add_bos_token
 
 
 def test_bad_ids_and_types():
@@ -662,6 +670,8 @@ def test_bad_ids_and_types():
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
     assert tok.decode(np.array([15043, 3186])) == "Hello world"
+    d = tok.incremental_detokenizer()
+    assert d.step(np.int64(15043)) + d.step(np.array(3186)) + d.step(np.array([3186])) == "Hello world world"
 
 
 def test_unsupported_tokenizer_json_decoder(tmp_path):

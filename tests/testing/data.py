@@ -1,4 +1,5 @@
-"""Where the shared real data lives (../shared/data beside the checkout, or $XLASERVE_SHARED_DATA)."""
+"""Test data: where the shared real data lives (../shared/data beside the checkout, or
+$XLASERVE_SHARED_DATA), and small files tests write themselves."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def smollm2_gguf_path() -> Path:
     if not p.is_file():
         pytest.skip(f"{p} is missing")
     return p
+
+
+def write_bpe_gguf(path: Path, pre: str | None = None, pad_id: int | None = None) -> None:
+    """A GGUF holding only a six-token byte-level BPE tokenizer: a, b, ab, Ġ, Ġab, <|end|> (EOS)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(["a", "b", "ab", "Ġ", "Ġab", "<|end|>"])
+    w.add_token_types([1, 1, 1, 1, 1, 3])
+    w.add_token_merges(["a b", "Ġ ab"])
+    w.add_eos_token_id(5)
+    if pad_id is not None:
+        w.add_pad_token_id(pad_id)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
