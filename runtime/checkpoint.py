@@ -26,7 +26,7 @@ from models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from models.llama import abstract_model, is_qkv_param, make_forward, repeat_qkv, unrepeat_qkv
 from pallas_kernels.dispatch import kv_pool_dtype, select_attention_impl, select_gemm_impl
 from runtime.formats.base import CheckpointError, TensorSource, hf_tensor_plan, unused_tensors
-from sharding.mesh import MeshConfig, mesh_axis_size
+from sharding.mesh import MeshConfig, check_mesh, mesh_axis_size
 from sharding.rules import head_parallel_mesh, kv_repeat, state_shardings
 
 ORBAX_CONFIG = "xlaserve_config.json"
@@ -153,6 +153,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (path or preset) directly into its sharding on `mesh` (default: one device)."""
     mesh = mesh if mesh is not None else MeshConfig().make_mesh()
+    check_mesh(mesh)
     name = str(model)
     if name.startswith("dummy:") or (name in PRESETS and not Path(name).exists()):
         cfg = get_preset(name.removeprefix("dummy:"))

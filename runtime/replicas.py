@@ -33,13 +33,22 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats
 from runtime.llm import RequestOutput
 from runtime.request import SamplingParams, new_request_id
-from sharding.mesh import mesh_axis_size
+from sharding.mesh import MeshConfig
 
 
 def make_engine(model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
                 eos_token_ids: Sequence[int] | None = None) -> Engine | ReplicatedEngine:
-    """The engine for `model`'s mesh: an Engine on one replica, a ReplicatedEngine on several."""
-    if mesh_axis_size(model.mesh, "replica") == 1:
+    """The engine for `model`'s mesh: an Engine on one replica, a ReplicatedEngine on several.
+    The config's mesh is the model's: left unset (MeshConfig()) it becomes it, and one that differs
+    is a ValueError (the model was loaded on another mesh)."""
+    config = config or EngineConfig()
+    mesh = MeshConfig.of(model.mesh)
+    if config.mesh != mesh:
+        if config.mesh != MeshConfig():
+            raise ValueError(f"EngineConfig.mesh is {config.mesh}, but the model was loaded on a mesh of {mesh}: load "
+                             "it on EngineConfig.mesh.make_mesh(), or leave the engine's mesh unset")
+        config = dataclasses.replace(config, mesh=mesh)
+    if mesh.replica == 1:
         return Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
     return ReplicatedEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
 

@@ -197,6 +197,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     bad = sorted(set(data.get("engine") or {}) - engine_fields)
     if bad:
         raise ValueError(f"{p}: unknown engine settings {bad}; allowed: {', '.join(sorted(engine_fields))}")
+    mesh = (data.get("engine") or {}).get("mesh")
+    if mesh is not None and not isinstance(mesh, dict):  # (--tensor/--replica merge into it)
+        raise ValueError(f"{p}: engine.mesh must be a mapping such as {{tensor: 2}}, got {mesh!r}")
     return data
 
 

@@ -184,7 +184,8 @@ _LOAD_THREAD = "xlaserve-load"
 
 def run(settings: ServeSettings, model: str) -> int:
     """`xlaserve serve`: serve until SIGTERM/SIGINT; returns the exit code."""
-    settings.engine_config()  # bad engine settings fail now, before the ports are bound
+    # bad engine settings, and a mesh of more devices than the machine has, fail now, before the ports are bound
+    settings.engine_config().mesh.make_mesh()
     rc = asyncio.run(serve(settings, model))
     if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped mid-load: XLA is still compiling in that thread, and interpreter shutdown would

@@ -19,7 +19,7 @@ class MeshConfig:
     def __post_init__(self):
         for name in AXES:
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MeshConfig.{name} must be a positive int, got {v!r}")
 
     @property
@@ -46,6 +46,25 @@ class MeshConfig:
     @classmethod
     def single_device(cls) -> MeshConfig:
         return cls()
+
+    @classmethod
+    def of(cls, mesh: jax.sharding.Mesh) -> MeshConfig:
+        """The axis sizes of `mesh` (one made by make_mesh, or passing check_mesh)."""
+        return cls(**{a: mesh_axis_size(mesh, a) for a in AXES})
+
+
+def check_mesh(mesh: jax.sharding.Mesh) -> None:
+    """ValueError unless `mesh` is one the models can be placed on: axes named among AXES, each of
+    Auto type (the sharding rules name them; Explicit axes need sharding-in-types code)."""
+    names = tuple(mesh.axis_names)
+    odd = [n for n in names if n not in AXES]
+    if odd:
+        raise ValueError(f"mesh axes {names}: {odd} are not among {AXES} (MeshConfig.make_mesh builds a mesh)")
+    auto = jax.sharding.AxisType.Auto
+    types = getattr(mesh, "axis_types", None) or (auto,) * len(names)
+    explicit = [n for n, t in zip(names, types) if t != auto]
+    if explicit:
+        raise ValueError(f"mesh axes {explicit} are not of Auto type (MeshConfig.make_mesh builds a mesh)")
 
 
 def mesh_axis_size(mesh: jax.sharding.Mesh, axis: str) -> int:

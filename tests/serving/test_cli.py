@@ -134,6 +134,16 @@ def test_serve_bad_config_value_is_one_line_before_the_model_loads(tmp_path, con
     assert message in line, line
 
 
+def test_serve_mesh_errors_come_before_the_ports(tmp_path):
+    """A file's mesh that is not a mapping, with a mesh flag merged into it, was a TypeError
+    traceback; a mesh of more devices than the machine has failed only after both ports were bound."""
+    (tmp_path / "c.yaml").write_text("engine: {mesh: 2}\n")
+    line = _serve_error("--config", str(tmp_path / "c.yaml"), "--tensor", "2", "--model", "/no/such/model")
+    assert "engine.mesh must be a mapping such as {tensor: 2}, got 2" in line, line
+    r = xlaserve("serve", "--tensor", "64", "--model", "/no/such/model", "--port", "0", "--grpc-port", "0")
+    assert "needs 64 devices" in r.stderr and "listening" not in r.stderr, r.stderr
+
+
 def test_serve_missing_chat_template_flag_is_one_line():
     line = _serve_error("--chat-template", "/nonexistent/t.jinja", "--model", "/no/such/model")
     assert "chat_template /nonexistent/t.jinja is not a file" in line, line

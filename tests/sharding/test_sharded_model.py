@@ -88,3 +88,34 @@ def test_dummy_weights_equal_on_every_mesh():
     atol, rtol = MESH_LOGITS_F32
     np.testing.assert_allclose(greedy_generate(eight, prompt, 1).prompt_logits,
                                greedy_generate(one, prompt, 1).prompt_logits, atol=atol, rtol=rtol)
+
+
+def test_meshes_the_models_cannot_use_are_refused_before_loading():
+    """A hand-built mesh with other axis names failed deep in JAX; one with Explicit axes loaded
+    and failed at the first forward. MeshConfig refuses booleans as its other fields do."""
+    devices = np.asarray(jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"\['data'\] are not among \('replica', 'context', 'tensor'\)"):
+        load_model("dummy:stories260k", mesh=jax.sharding.Mesh(devices, ("data",)), dtype="float32")
+    explicit = jax.sharding.Mesh(devices.reshape(1, 1, 2), ("replica", "context", "tensor"),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    with pytest.raises(ValueError, match=r"mesh axes \['replica', 'context', 'tensor'\] are not of Auto type"):
+        load_model("dummy:stories260k", mesh=explicit, dtype="float32")
+    with pytest.raises(ValueError, match="MeshConfig.tensor must be a positive int, got True"):
+        MeshConfig(tensor=True)
+
+
+def test_the_engine_config_mesh_is_the_models():
+    """A loaded model's mesh is the engine's: an unset EngineConfig.mesh takes it (it said one device
+    while the engine ran on the model's); one that differs is refused."""
+    from runtime.config import EngineConfig
+    from runtime.replicas import make_engine
+
+    model = load_model("dummy:stories260k", mesh=MeshConfig(replica=2, tensor=2).make_mesh(), dtype="float32")
+    settings = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), seq_buckets=(2,),
+                    max_model_len=64, progress=False, warmup=False)
+    engine = make_engine(model, EngineConfig(**settings))
+    assert engine.config.mesh == MeshConfig(replica=2, tensor=2) and engine.num_replicas == 2
+    engine.close()
+    with pytest.raises(ValueError, match=r"EngineConfig.mesh is MeshConfig\(replica=1, tensor=4, context=1\), but "
+                                         r"the model was loaded on a mesh of MeshConfig\(replica=2, tensor=2"):
+        make_engine(model, EngineConfig(mesh=MeshConfig(tensor=4), **settings))
