@@ -167,6 +167,7 @@ class DecodeRules:
     byte_fallback: bool = False  # "<0xNN>" pieces are raw bytes
     replace: tuple[tuple[str, str], ...] = ()  # e.g. ("▁", " ")
     strip: StripMode = StripMode.NONE
+    spaced: bool = False  # no decoder: HF tokenizers joins the tokens with spaces
 
     SUPPORTED = "ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence"
 
@@ -199,8 +200,9 @@ class DecodeRules:
                     f"{source}: tokenizer.json decoder {dict(d)} is not supported; supported: {cls.SUPPORTED}"
                 )
 
-        if decoder is not None:
-            read(decoder)
+        if decoder is None:  # a space before every piece, and none before the text's first
+            return cls(spaced=True, strip=StripMode.FIRST_PIECE)
+        read(decoder)
         return cls(**fields)
 
     def table(self, pieces: Sequence[str], special_ids: Iterable[int]) -> PieceTable:
@@ -215,7 +217,7 @@ class DecodeRules:
             else:
                 for old, new in self.replace:
                     piece = piece.replace(old, new)
-                out.append(piece.encode("utf-8"))
+                out.append((" " + piece if self.spaced else piece).encode("utf-8"))
         return PieceTable(
             pieces=tuple(out),
             special_ids=frozenset(special_ids),

@@ -674,6 +674,24 @@ def test_bad_ids_and_types():
     assert d.step(np.int64(15043)) + d.step(np.array(3186)) + d.step(np.array([3186])) == "Hello world world"
 
 
+def test_tokenizer_json_without_a_decoder_joins_with_spaces(tmp_path):
+    """HF tokenizers joins the tokens with spaces when the file has no decoder (they were run
+    together); streamed after a prompt, each piece keeps its space."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "<eos>": 3}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<eos>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    for ids in ([1, 2, 1], [3, 1, 2], [1, 3, 2], [2]):
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+    d = tok.incremental_detokenizer(prompt_ids=[1])
+    assert d.step(2) + d.step(1) + d.flush() == hf.decode([1, 2, 1])[len("hello"):] == " world hello"
+
+
 def test_unsupported_tokenizer_json_decoder(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models
