@@ -168,6 +168,14 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
                              param="response_format")
     for name in _STRUCTURED_OUTPUT:  # vLLM's: silently ignored, they would give unconstrained text
         _refuse(body, name, why="(structured output) is not supported")
+    # refused on both routes, whichever API names them (vLLM's chat has echo too)
+    if _boolean(body, "echo", False):
+        raise InvalidRequest("echo is not supported by this server", param="echo")
+    _refuse(body, "suffix")
+    for name in ("tools", "functions"):
+        _refuse(body, name, why="(tool calling) is not supported")
+    _refuse(body, "tool_choice", allowed=(None, "none"), why="(tool calling) is not supported")
+    _refuse(body, "function_call", allowed=(None, "none"), why="(tool calling) is not supported")
     n = _integer(body, "n", 1, lo=1)
     best_of = _integer(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
@@ -202,9 +210,6 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
 
 def parse_completion(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
-    if _boolean(body, "echo", False):
-        raise InvalidRequest("echo is not supported by this server", param="echo")
-    _refuse(body, "suffix")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)
     prompt = body.get("prompt", _MISSING)
@@ -240,10 +245,6 @@ def _token_ids(v: list) -> bool:
 
 def parse_chat(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
-    for name in ("tools", "functions"):
-        _refuse(body, name, why="(tool calling) is not supported")
-    _refuse(body, "tool_choice", allowed=(None, "none"), why="(tool calling) is not supported")
-    _refuse(body, "function_call", allowed=(None, "none"), why="(tool calling) is not supported")
     _refuse(body, "audio")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)

@@ -87,6 +87,8 @@ def test_completion_batch_of_prompts():
     (dict(guided_json={"type": "object"}), "guided_json"),
     (dict(guided_choice=["a", "b"]), "guided_choice"),
     (dict(structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),  # ignored on completions before
+    (dict(tool_choice="auto"), "tool_choice"),
 ])
 def test_completion_bad_parameters_name_the_parameter(kw, param):
     with pytest.raises(InvalidRequest) as e:
@@ -117,7 +119,8 @@ def test_chat_parsing():
     assert parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, M).params.logprobs == 0
     for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
                        ({"response_format": {"type": "json_object"}}, "response_format"), ({"messages": []}, "messages"),
-                       ({"function_call": {"name": "f"}}, "function_call"), ({"guided_regex": "a+"}, "guided_regex")]:
+                       ({"function_call": {"name": "f"}}, "function_call"), ({"guided_regex": "a+"}, "guided_regex"),
+                       ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix")]:  # (ignored on chat before)
         with pytest.raises(InvalidRequest) as e:
             parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], **bad}, M)
         assert e.value.param == param
