@@ -30,13 +30,17 @@ MAX_LOGIT_BIAS = 32
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _ALL_TOKENS = 2**31 - 1  # a top_k at least this keeps every token (the sampling rows hold it as an int32)
+_F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Validated on construction; the engine samples inside the step.
 
-    top_k 0 (or -1) and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy.
+    top_k 0 (or -1) and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy, and
+    so is one below GREEDY_BELOW (vLLM's rule: logits divided by it would overflow float32). The
+    float settings must lie within float32's range, which the sampler computes in.
     max_tokens None means "until max_model_len". logprobs None returns none; an int asks for the
     sampled token's logprob plus that many top alternatives (the engine enforces its own cap).
     logit_bias maps token ids to a value in [-100, 100] added to their logits before the penalties
@@ -92,6 +96,8 @@ class SamplingParams:
         self._validate()
         if self.top_k >= _ALL_TOKENS:  # more than any vocabulary: every token, as disabled (vLLM clamps it)
             object.__setattr__(self, "top_k", 0)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         for name in _FLOATS:  # floats, and -0.0 as 0.0: the sampling rows tell settings by their bits
             object.__setattr__(self, name, float(getattr(self, name)) + 0.0)
 
@@ -109,6 +115,8 @@ class SamplingParams:
                 finite = False
             if not finite:
                 fail(f"{name} must be a finite number, got {v if isinstance(v, float) else 'an int past the range of floats'}")
+            if abs(v) > _F32_MAX:
+                fail(f"{name} must be within float32's range (|x| <= {_F32_MAX:.4g}), got {v:g}")
 
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             fail(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -118,8 +126,9 @@ class SamplingParams:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            fail(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not self.repetition_penalty >= _F32_TINY:  # (logits are divided by it in float32)
+            fail(f"repetition_penalty must be a number > 0 (at least float32's smallest normal, {_F32_TINY:.4g}), "
+                 f"got {self.repetition_penalty:g}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

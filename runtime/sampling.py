@@ -343,7 +343,8 @@ def _cutoffs(scaled: jax.Array, b: SamplingBatch) -> jax.Array:  # f32[S, V] -> 
     keep &= (exclusive < b.top_p[:, None]) | (b.top_p[:, None] >= 1.0)
     probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
     keep &= (probs >= b.min_p[:, None] * probs[:, :1]) | (b.min_p[:, None] <= 0.0)
-    n_keep = jnp.sum(keep, axis=-1, keepdims=True)  # >= 1: rank 0 always survives
+    # at least the top token (a top_p that f32 holds as 0 kept none, and the index -1 then kept all)
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     return jnp.take_along_axis(srt, n_keep - 1, axis=-1)
 
 
@@ -429,7 +430,9 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> ja
     b = sampling_rows(rows)
     logits = _ban(logits, b.banned)
     is_random = b.temperature > 0.0
-    scaled = logits / jnp.where(is_random, b.temperature, 1.0)[:, None]
+    # banned again after scaling: XLA may divide by multiplying with 1/t, and for t >= ~1e38 that
+    # is 0 in f32, which made the banned -inf NaN (argmax then took a banned id)
+    scaled = _ban(logits / jnp.where(is_random, b.temperature, 1.0)[:, None], b.banned)
     if filters:
         scaled = jnp.where(scaled >= _cutoffs(scaled, b), scaled, -jnp.inf)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))

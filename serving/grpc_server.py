@@ -73,6 +73,12 @@ def _messages(chat: pb.ChatMessages) -> list[dict]:
 
 
 async def _abort(context, e: ServingError):
+    """End the call with e's status; one whose deadline has passed ends as cancelled instead: gRPC
+    ends it with DEADLINE_EXCEEDED itself, and a status sent after that fails (gRPC logged each such
+    send as an error when the request's own deadline fired as the call's did)."""
+    left = context.time_remaining()
+    if left is not None and left <= 0:
+        raise asyncio.CancelledError
     await context.abort(e.grpc_code, e.message)
 
 

@@ -122,8 +122,10 @@ def _logit_bias(body) -> dict[int, float] | None:
                              param="logit_bias")
     out = {}
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isdigit() and k.isascii()):
-            raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0 as strings), got {k!r}",
+        # (at most 10 digits: no vocabulary is larger, and int() refuses strings of over 4,300)
+        if not (isinstance(k, str) and k.isdigit() and k.isascii() and len(k) <= 10):
+            shown = repr(k) if not isinstance(k, str) or len(k) <= 40 else f"a key of {len(k)} characters"
+            raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0 as strings), got {shown}",
                                  param="logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise InvalidRequest(f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}", param="logit_bias")

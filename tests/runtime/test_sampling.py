@@ -228,9 +228,20 @@ def test_banned_tokens_are_never_sampled():
     tokens, _ = sample(logits, batch(banned=banned))
     assert tokens[0] == np.argsort(-logits[0])[1]
     assert tokens[1] == np.argsort(-logits[1])[2]
-    for fields in (dict(temperature=5.0), dict(temperature=5.0, top_p=0.99), dict(repetition_penalty=1.5)):
+    # temperatures past ~1e38: XLA may divide by multiplying with 1/t, 0 in f32, which made the banned
+    # -inf NaN, and argmax took a banned id (a min_tokens ban broken)
+    for fields in (dict(temperature=5.0), dict(temperature=5.0, top_p=0.99), dict(repetition_penalty=1.5),
+                   dict(temperature=1e38), dict(temperature=3e38, top_k=5)):
         tokens, _ = sample(logits, batch(banned=banned, seeds=[[1, 2]] * S, **fields))
         assert not (tokens[:, None] == banned).any(), fields
+
+
+def test_a_top_p_float32_holds_as_zero_keeps_the_top_token():
+    """top_p = 1e-50 is 0 in f32: no token passed, and the cutoff index -1 then kept every token."""
+    logits = random_logits(np.random.default_rng())
+    for seed in range(4):
+        tokens, _ = sample(logits, batch(temperature=1.0, top_p=1e-50, seeds=[[seed, 1]] * S))
+        assert (tokens == logits.argmax(-1)).all(), seed
 
 
 ROWS = 1 << 16  # one call draws 65,536 samples (positions of one seed)

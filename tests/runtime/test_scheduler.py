@@ -286,6 +286,14 @@ def test_sampling_params_validation():
             SamplingParams(**{name: 10**400})
         with pytest.raises(ValueError, match=f"{name} must be a finite number, got nan"):
             SamplingParams(**{name: float("nan")})
+    # the sampler computes in float32: values it cannot hold are refused; a temperature whose logits
+    # would overflow is greedy (vLLM's rule below 1e-5)
+    for name, v in (("temperature", 1e300), ("top_p", -1e39), ("presence_penalty", 1e39)):
+        with pytest.raises(ValueError, match=f"{name} must be within float32's range"):
+            SamplingParams(**{name: v})
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number > 0 \(at least float32's smallest"):
+        SamplingParams(repetition_penalty=1e-50)
+    assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-5).temperature == 1e-5
     h = Harness(num_pages=64, page_size=4, max_model_len=32)
     with pytest.raises(ValueError, match=r"min_tokens 30 is more than the 27 tokens it can generate \(max_model_len 32 - prompt 5\)"):
         h.add("a", [1, 2, 3, 4, 5], SamplingParams(min_tokens=30, max_tokens=None))

@@ -306,3 +306,34 @@ def test_a_second_server_cannot_share_the_grpc_port():
             await first.stop(grace=None)
 
     asyncio.run(go())
+
+
+def test_an_error_after_the_calls_deadline_ends_it_quietly():
+    """When a request's own deadline fires as the call's does, gRPC has already ended the call with
+    DEADLINE_EXCEEDED; a status sent then failed and was logged as an error. The handler now ends
+    as cancelled; before the deadline the error is the call's status."""
+    import asyncio
+
+    from serving.errors import DeadlineExceeded, InvalidRequest
+    from serving.grpc_server import _abort
+
+    class Context:
+        def __init__(self, left):
+            self.left, self.sent = left, None
+
+        def time_remaining(self):
+            return self.left
+
+        async def abort(self, code, message):
+            self.sent = (code, message)
+            raise grpc.aio.AbortError
+
+    late = Context(0)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(_abort(late, DeadlineExceeded("the request's deadline of 0.1 s passed")))
+    assert late.sent is None
+    for left in (2.5, None):
+        ctx = Context(left)
+        with pytest.raises(grpc.aio.AbortError):
+            asyncio.run(_abort(ctx, InvalidRequest("bad")))
+        assert ctx.sent == (grpc.StatusCode.INVALID_ARGUMENT, "bad")

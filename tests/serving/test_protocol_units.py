@@ -71,6 +71,7 @@ def test_completion_batch_of_prompts():
     (dict(logit_bias={"-1": 2}), "logit_bias"),
     (dict(logit_bias={"1": 101}), "logit_bias"),
     (dict(logit_bias={"1": True}), "logit_bias"),
+    (dict(logit_bias={"1" * 5000: 1}), "logit_bias"),  # int() refuses it: was a 500
     (dict(logit_bias=[1, 2]), "logit_bias"),
     (dict(logit_bias={str(i): 1 for i in range(33)}), "logit_bias"),
     (dict(best_of=3), "best_of"),
