@@ -428,16 +428,16 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> ja
     `filters` every row keeps its whole distribution (top-k, top-p and min-p must be off)."""
     S, V = logits.shape
     b = sampling_rows(rows)
-    logits = _ban(logits, b.banned)
     is_random = b.temperature > 0.0
-    # banned again after scaling: XLA may divide by multiplying with 1/t, and for t >= ~1e38 that
-    # is 0 in f32, which made the banned -inf NaN (argmax then took a banned id)
+    # banned after scaling: XLA may divide by multiplying with 1/t, 0 in f32 for t >= ~1e38, which
+    # made a -inf banned before it NaN (argmax then took a banned id). Greedy rows are scaled by 1.
     scaled = _ban(logits / jnp.where(is_random, b.temperature, 1.0)[:, None], b.banned)
+    greedy_ids = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
     if filters:
         scaled = jnp.where(scaled >= _cutoffs(scaled, b), scaled, -jnp.inf)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))
     drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    return pad_slots(jnp.where(is_random, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32)), slots)
+    return pad_slots(jnp.where(is_random, drawn, greedy_ids), slots)
 
 
 # Exact top-k on the GPU (H200, jax 0.11.2, rows of 128,256 f32; docs/benchmarks.md): XLA's TopK
