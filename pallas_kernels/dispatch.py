@@ -50,6 +50,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     "reference" (the oracle, whose work grows with the page table's width)."""
     if implementation == "auto":
         implementation = _RPA_BY_PLATFORM.get(_platform(q), "xla")
+    implementation = _fit_pages(implementation, kv_pages, page_indices)
     if implementation == "reference":
         return _rpa.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                sm_scale=sm_scale, sliding_window=sliding_window,
@@ -57,6 +58,14 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     return _rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                        implementation=implementation)
+
+
+def _fit_pages(implementation: str, kv_pages, page_indices) -> str:
+    """"reference" where the GPU kernel cannot block this page geometry (the page size is the
+    engine's setting, unknown when select_attention_impl resolves the model's implementation)."""
+    if implementation == "gpu" and not _rpa.gpu.pages_fit(kv_pages.shape[1], page_indices.shape[1]):
+        return "reference"
+    return implementation
 
 
 def write_qkv(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -108,6 +117,7 @@ def write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_len
     the queries one at a time, the tile no decode fills more of)."""
     if implementation == "auto":
         implementation = select_attention_impl(_platform(kv_pages), kv_pages.shape[-1])
+    implementation = _fit_pages(implementation, kv_pages, page_indices)
     if decode_only and decode_attention_is_fused(implementation):
         return _rpa.gpu.write_qkv_attention(kv_pages, qkv, cos, sin, kv_lens, page_indices, cu_q_lens, num_seqs,
                                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -307,7 +317,8 @@ def greedy_head(x, head, *, transposed: bool, rows=None, precision=None,
                 implementation: str = "reference") -> jax.Array:
     """i32[R]: each row's argmax over the f32 logits x @ head (head [D, V]), or x @ head.T
     (`transposed`: head [V, D], a tied embedding); the first index among equal maxima. rows: the
-    rows of x [T, D] to take logits for (i32[R], jnp.take's indices), or None for all (R = T).
+    rows of x [T, D] to take logits for (i32[R] in [0, T): the Triton kernel clamps, where jnp.take
+    would count negative indices from the end), or None for all (R = T).
 
     implementation: "mosaic_gpu" (one Hopper GPU, select_gemm_impl) runs a kernel with the argmax in
     the GEMM's epilogue where one applies (bf16/f16): the Triton GEMV for up to

@@ -114,6 +114,13 @@ def default_block_sizes(q, kv_pages, page_indices) -> BlockSizes:
                       num_warps=4, num_stages=2)
 
 
+def pages_fit(G: int, P_max: int) -> bool:
+    """Whether pages of G tokens in tables of P_max pages make the key blocks the kernel needs (a
+    power of two >= 16 keys) at every size default_block_sizes picks (16 keys at the least): not
+    for G = 24, nor for G = 8 with one page a sequence."""
+    return G & (G - 1) == 0 and G * _pages_per_block(16, G, P_max) >= 16
+
+
 def _pages_per_block(keys: int, G: int, P_max: int) -> int:
     """Pages per key block for about `keys` keys: a power of two (Triton's key block must be one), at
     most the page table's width (a 40-token prompt's table of 3 pages takes 2, not 3)."""

@@ -28,7 +28,8 @@ def _token_seq_ids(cu_q_lens, num_seqs, T):
     # Counting boundaries (rather than searchsorted) stays correct when entries past num_seqs are junk.
     live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
     seq = jnp.sum((cu_q_lens[1:][None, :] <= t[:, None]) & live[None, :], axis=1).astype(jnp.int32)
-    valid = t < cu_q_lens[num_seqs[0]]
+    # tokens before cu_q_lens[0] are padding too (the kernels skip them): they wrote into sequence 0's pages
+    valid = (t >= cu_q_lens[0]) & (t < cu_q_lens[num_seqs[0]])
     return jnp.minimum(seq, S - 1), valid
 
 

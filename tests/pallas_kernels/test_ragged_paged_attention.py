@@ -332,6 +332,21 @@ def test_gpu_default_block_sizes_fit_any_page_table(pages_per_seq, page_size):
     gpu.check_block_sizes(bs, q, kv, pages)  # raises on a block the kernel cannot run
 
 
+@pytest.mark.parametrize("page_size,pages_per_seq", [(24, 4), (8, 1), (4, 3)])
+def test_dispatch_runs_the_reference_for_pages_the_gpu_kernel_cannot_block(page_size, pages_per_seq):
+    """Key blocks must be a power of two >= 16 keys: pages of 24, or of 8 in one-page tables, make
+    none, and the kernel refused them with no way around (the page size is the engine's setting).
+    The dispatcher runs the reference there (it would fail on this CPU host trying the kernel)."""
+    assert not gpu.pages_fit(page_size, pages_per_seq) and gpu.pages_fit(16, 1) and gpu.pages_fit(8, 2)
+    shape = Shape(N=4, K=2, H=64, G=page_size, T=8, S=3, P_max=pages_per_seq)
+    G = page_size
+    args, n = make_inputs(shape, Batch((1, 2, 3), (G * pages_per_seq, 2, min(G * pages_per_seq, G + 3))),
+                          jnp.float32, 3)
+    out = dispatch.ragged_paged_attention(*args, **_opts(shape), implementation="gpu")
+    want = ref_ragged_paged_attention(*args, **_opts(shape))
+    np.testing.assert_array_equal(np.asarray(out)[:n], np.asarray(want)[:n])
+
+
 def test_gpu_kernel_lowers_for_cuda():
     """Pallas' Triton lowering (to Triton IR) runs on CPU: catches unsupported ops before a GPU run."""
     args, _, _ = case_inputs("mixed", "bfloat16")
@@ -470,6 +485,18 @@ def test_cost_estimate_counts_reference_work():
 
 
 # ---- KV write -------------------------------------------------------------------------------------
+
+def test_padding_before_the_first_sequence_writes_nothing():
+    """Tokens before cu_q_lens[0] are padding, as the attention kernels treat them: their slots are
+    one past the pool. They got sequence 0's slots and overwrote its cached K/V."""
+    from pallas_kernels.ragged_paged_attention import kv_write_slots
+
+    G, P = 16, 6
+    slots = kv_write_slots(jnp.asarray([7, 0], jnp.int32), jnp.asarray([[3, 1], [0, 0]], jnp.int32),
+                           jnp.asarray([2, 3, 3], jnp.int32), jnp.asarray([1], jnp.int32), 4, page_size=G,
+                           num_slots=P * G)
+    np.testing.assert_array_equal(np.asarray(slots), [P * G, P * G, 3 * G + 6, P * G])
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_write_kv_pages(dtype):
