@@ -484,54 +484,7 @@ def test_cost_estimate_counts_reference_work():
     assert c.bytes_accessed >= min(BASE.P, BASE.S * BASE.P_max) * BASE.G * 2 * BASE.K * BASE.H * 2
 
 
-# ---- KV write -------------------------------------------------------------------------------------
-
-def test_padding_before_the_first_sequence_writes_nothing():
-    """Tokens before cu_q_lens[0] are padding, as the attention kernels treat them: their slots are
-    one past the pool. They got sequence 0's slots and overwrote its cached K/V."""
-    from pallas_kernels.ragged_paged_attention import kv_write_slots
-
-    G, P = 16, 6
-    slots = kv_write_slots(jnp.asarray([7, 0], jnp.int32), jnp.asarray([[3, 1], [0, 0]], jnp.int32),
-                           jnp.asarray([2, 3, 3], jnp.int32), jnp.asarray([1], jnp.int32), 4, page_size=G,
-                           num_slots=P * G)
-    np.testing.assert_array_equal(np.asarray(slots), [P * G, P * G, 3 * G + 6, P * G])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_write_kv_pages(dtype):
-    """Each real token lands in page page_indices[s, pos // G], slot pos % G; padding writes nothing;
-    writes that cross a page boundary split across two pages."""
-    rng = np.random.default_rng(7)
-    G, K, H, P, S, P_max, T = 4, 2, 8, 12, 4, 4, 11
-    q_lens, kv_lens = (3, 1, 4), (5, 4, 9)  # seq 0 crosses pages 0|1, seq 1 ends a page, seq 2 spans 3
-    pi = np.full((S, P_max), JUNK, np.int32)
-    pi[0, :2], pi[1, :1], pi[2, :3] = [7, 2], [5], [0, 11, 3]
-    cu = np.array([0, 3, 4, 8, JUNK], np.int32)
-    kv0 = rng.standard_normal((P, G, 2 * K, H)).astype(np.float32)
-    k = rng.standard_normal((T, K, H)).astype(np.float32)
-    v = rng.standard_normal((T, K, H)).astype(np.float32)
-    out = ref_write_kv_pages(jnp.asarray(kv0, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                             jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi), jnp.asarray(cu),
-                             jnp.asarray([3], jnp.int32))
-    want = np.asarray(jnp.asarray(kv0, dtype).astype(jnp.float32)).copy()
-    kq, vq = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k, v))
-    for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        for i in range(q_len):
-            pos, t = kv_len - q_len + i, cu[s] + i
-            want[pi[s, pos // G], pos % G, 0::2] = kq[t]
-            want[pi[s, pos // G], pos % G, 1::2] = vq[t]
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
-    assert out.dtype == dtype
-    written = np.zeros((P, G), bool)
-    written[[7, 7, 2], [2, 3, 0]] = written[5, 3] = True
-    written[[11, 11, 11, 3], [1, 2, 3, 0]] = True
-    untouched = np.asarray(out.astype(jnp.float32))[~written]
-    np.testing.assert_array_equal(untouched, want[~written])  # padding tokens 8..10 wrote nothing
-    assert np.asarray(ref_write_kv_pages(jnp.asarray(kv0), jnp.asarray(k), jnp.asarray(v),
-                                         jnp.asarray(np.array([*kv_lens, JUNK], np.int32)), jnp.asarray(pi),
-                                         jnp.asarray(cu), jnp.asarray([0], jnp.int32)) == kv0).all()
-
+# ---- KV write then attention (the write itself: test_write_kv_pages.py) ----------------------------
 
 def test_write_then_attend_matches_dense_attention():
     """Write a whole prompt through ref_write_kv_pages, then attend: equals dense causal attention."""
