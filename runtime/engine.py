@@ -502,7 +502,7 @@ class Engine:
             if seq.detok is not None:
                 before = len(seq.text)
                 seq.text += seq.detok.step(token)
-                stop = _cut_at_stop(seq, before)
+                stop = _cut_at_stop(seq, before) if seq.group.params.stop else None  # (a call per token saved)
                 if stop is not None:
                     if finish_reason is None:
                         self.scheduler.finish(seq.sid, FINISH_STOP, stop)

@@ -109,16 +109,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 fail(f"{name} must be a number, got {v!r}")
-            try:
-                finite = math.isfinite(v)
-            except OverflowError:  # an int past float's range
-                finite = False
-            if not finite:
+            if not is_finite(v):
                 fail(f"{name} must be a finite number, got {v if isinstance(v, float) else 'an int past the range of floats'}")
             if abs(v) > _F32_MAX:
                 fail(f"{name} must be within float32's range (|x| <= {_F32_MAX:.4g}), got {v:g}")
 
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not self.temperature >= 0:
             fail(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             fail(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
@@ -283,6 +279,14 @@ def new_request_id(prefix: str, counter: Iterator[int], live: Container[str]) ->
     while (request_id := f"{prefix}{next(counter)}") in live:
         pass
     return request_id
+
+
+def is_finite(v: numbers.Real) -> bool:
+    """Whether a real number is finite; an int past float's range is not (math.isfinite raises)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def validate_cache_salt(cache_salt: object) -> str | None:

@@ -233,12 +233,10 @@ class ServingCore:
             raise InvalidRequest("this model has no tokenizer, so chat is not available; send token ids",
                                  param="messages")
         msgs = _check_messages(messages)
-        if self._chat_template is None and tok.chat_template is None:
-            raise InvalidRequest(f"model {self.model_name!r} has no chat template; use /v1/completions or start "
-                                 "the server with --chat-template", param="messages")
-        if self._chat_template is None and self._chat_unavailable is not None:
-            raise InvalidRequest(f"{self._chat_unavailable}; use /v1/completions or start the server with "
-                                 "--chat-template", param="messages")
+        if self._chat_template is None and (tok.chat_template is None or self._chat_unavailable is not None):
+            why = self._chat_unavailable or f"model {self.model_name!r} has no chat template"
+            raise InvalidRequest(f"{why}; use /v1/completions or start the server with --chat-template",
+                                 param="messages")
         try:
             return tok.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self._chat_template)
         except Exception as e:  # the template parsed at start-up; raise_exception in it and the like are the messages' fault

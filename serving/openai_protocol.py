@@ -10,10 +10,9 @@ strings and token id lists): one engine request per prompt, answered as one resp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from runtime.request import MAX_LOGIT_BIAS, SamplingParams
+from runtime.request import MAX_LOGIT_BIAS, SamplingParams, is_finite
 from serving.errors import InvalidRequest, NotFound
 
 _MISSING = object()
@@ -37,7 +36,7 @@ class ParsedRequest:
 
 # vLLM's structured-output request fields (guided decoding); none is supported
 _STRUCTURED_OUTPUT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                            "structured_outputs")
+                      "structured_outputs")
 
 
 # -- field readers -------------------------------------------------------------------------------
@@ -47,11 +46,7 @@ def _number(body, name, default, *, lo=None, hi=None, lo_open=False):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidRequest(f"{name} must be a number, got {v!r}", param=name)
-    try:
-        finite = math.isfinite(v)
-    except OverflowError:  # an integer past float's range
-        finite = False
-    if not finite:
+    if not is_finite(v):
         shown = v if isinstance(v, float) else "an integer past the range of floats"
         raise InvalidRequest(f"{name} must be a finite number, got {shown}", param=name)
     if lo is not None and (v <= lo if lo_open else v < lo):
