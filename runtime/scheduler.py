@@ -305,7 +305,10 @@ class Scheduler:
             self.allocator.incref(child.pages)
             child.num_computed_tokens = k * G
             child.page_hashes = parent.page_hashes[:k]
-            child.num_registered_pages = k  # the parent offers these pages to the prefix cache
+            # The parent offers the pages it has registered; the child offers the rest itself (the
+            # parent may be aborted before its outstanding step registers them; a page offered
+            # twice is cached once).
+            child.num_registered_pages = min(k, parent.num_registered_pages)
             self._requests[child.request_id] = child
             self._insert_sorted(self._waiting, child)
         return children
@@ -566,7 +569,8 @@ class Scheduler:
             if ctx.budget < 1 or len(self._running) >= cfg.max_num_seqs or req.token_ids[-1] < 0:
                 break  # (a placeholder: preempted before its last step was resolved; hashes need it)
             hits: list[int] = []
-            if req.pages:  # a fork: it shares its parent's pages
+            fork = bool(req.pages)
+            if fork:  # it shares its parent's pages
                 start = req.num_computed_tokens
             elif self.prefix_cache is not None:
                 self._ensure_hashes(req, req.num_tokens // G)
@@ -603,7 +607,8 @@ class Scheduler:
                 req.pages = list(hits)
                 req.num_computed_tokens = start
             req.pages.extend(self.allocator.allocate(need_now))
-            req.num_registered_pages = held
+            if not fork:  # (a fork offers the pages its parent has not: see fork)
+                req.num_registered_pages = held
             req.prefill_target = req.num_tokens
             if not req.admitted_once:
                 req.admitted_once = True

@@ -781,3 +781,26 @@ def test_an_aborted_id_reused_before_the_update_is_a_new_request():
     h.run()
     h.check_all_exact()
     h.check_drained()
+
+
+def test_forks_offer_the_shared_pages_when_their_parent_is_aborted_first():
+    """A parent aborted between its fork and its step's update never registers the prompt pages
+    that step computed; its children do, so a later prompt still finds them in the cache."""
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    prompt = rand_prompt(random.Random(7), 14)
+    h.add("p", prompt, SamplingParams(max_tokens=6, ignore_eos=True, n=2))
+    plan = h.sched.step()
+    h.dev.planned(plan)
+    (kid,) = h.sched.fork("p", ["p#1"])
+    out = h.dev.run(plan)  # the step is on the device when the parent is aborted
+    assert h.sched.abort("p")
+    h.sched.update_from_output(plan, out)
+    h.reqs["p#1"] = kid
+    h.run()
+    assert kid.finish_reason == "length"
+    h.add("again", list(prompt), SamplingParams(max_tokens=2, ignore_eos=True))
+    plan = h.step()
+    (seq,) = plan.seqs
+    assert seq.start_pos == 12  # the 3 full prompt pages came from the cache
+    h.run()
+    h.check_drained()
