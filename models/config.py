@@ -75,9 +75,12 @@ def _hf_number(d: dict[str, Any], key: str, kind: type = int, default: Any = _RE
 def positive_number(v: Any, name: str, kind: type = int, what: str = "config key"):
     """v as a positive int (kind=int; 64.0 is accepted as 64) or a positive finite float, else a
     ValueError naming it (`what` `name`): the checkpoint readers' check of a config value."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not (number and v > 0 and (kind is float or float(v).is_integer())):
-        raise ValueError(f"{what} {name!r} is {v!r}; it must be a positive {'integer' if kind is int else 'number'}")
+    if isinstance(v, int) and not isinstance(v, bool):
+        number = kind is int or v < 2**1023  # (float() of an int past float's range raises)
+    else:
+        number = isinstance(v, float) and math.isfinite(v) and (kind is float or v.is_integer())
+    if not (number and v > 0):
+        raise ValueError(f"{what} {name!r} is {v!r}; it must be a positive {'integer' if kind is int else 'finite number'}")
     return kind(v)
 
 

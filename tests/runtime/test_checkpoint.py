@@ -155,6 +155,7 @@ def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
     ("hidden_size", None, "config key 'hidden_size' is null; it is required"),
     ("hidden_size", "sixtyfour", "config key 'hidden_size' is 'sixtyfour'; it must be a positive integer"),
     ("max_position_embeddings", -5, "config key 'max_position_embeddings' is -5; it must be a positive integer"),
+    ("rope_theta", 10**400, f"config key 'rope_theta' is {10**400}; it must be a positive finite number"),
     ("rope_scaling", "linear", "config key 'rope_scaling' is 'linear'; it must be an object (or null)"),
     ("rope_scaling", {"rope_type": "linear"}, "config key 'rope_scaling.factor' is missing; it is required"),
     ("tie_word_embeddings", "false", "config key 'tie_word_embeddings' is 'false'; it must be true or false"),

@@ -371,7 +371,7 @@ def test_tensors_for_more_blocks_than_block_count_are_an_error(tmp_path):
     ("llama.attention.head_count_kv", ("add_uint32", 0), "is 0; it must be a positive integer"),
     ("llama.embedding_length", ("add_string", "abc"), "is 'abc'; it must be a positive integer"),
     ("llama.context_length", ("add_int32", -5), "is -5; it must be a positive integer"),
-    ("llama.rope.freq_base", ("add_float32", -1.0), "is -1.0; it must be a positive number"),
+    ("llama.rope.freq_base", ("add_float32", -1.0), "is -1.0; it must be a positive finite number"),
 ])
 def test_bad_metadata_value_names_file_and_key(tmp_path, key, value, message):
     hp, tensors = tiny_tensors()
