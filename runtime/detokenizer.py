@@ -7,6 +7,7 @@ rules that are not a property of one token alone:
   the space it prepended while encoding as the first byte of the first piece; decoding drops it.
   `StripMode.FIRST_PIECE` is SentencePiece's rule (the first piece that is not skipped loses one
   leading space, unless it is a byte-fallback or unknown piece, which stand for literal text);
+  `StripMode.FIRST_PIECE_ALL` is HF's `Metaspace` decoder's (the first token loses every "▁");
   `StripMode.OUTPUT` is HF's `Fuse` + `Strip(" ", 1, 0)` rule (the decoded text loses one leading
   space).
 * invalid UTF-8. Byte-level BPE (GPT-2, Llama 3, Qwen2) decodes like Rust's `from_utf8_lossy`:
@@ -34,7 +35,8 @@ from typing import Any
 
 class StripMode(enum.Enum):
     NONE = "none"
-    FIRST_PIECE = "first_piece"  # SentencePiece, llama2.c, HF Metaspace
+    FIRST_PIECE = "first_piece"  # SentencePiece, llama2.c
+    FIRST_PIECE_ALL = "first_piece_all"  # HF Metaspace: the first piece loses every "▁"
     OUTPUT = "output"  # HF Fuse + Strip(content=" ", start=1)
 
 
@@ -118,8 +120,12 @@ class PieceTable:
 
     def first_piece_bytes(self, token_id: int, piece: bytes) -> bytes:
         """The bytes of the first decoded piece, without the dummy-prefix space when it has one."""
-        if self.strip is StripMode.FIRST_PIECE and piece[:1] == b" " and token_id not in self.literal_ids:
+        if token_id in self.literal_ids:
+            return piece
+        if self.strip is StripMode.FIRST_PIECE and piece[:1] == b" ":
             return piece[1:]
+        if self.strip is StripMode.FIRST_PIECE_ALL:
+            return piece.replace(b" ", b"")
         return piece
 
     def bytes_to_text(self, data: bytes) -> str:
@@ -190,7 +196,7 @@ class DecodeRules:
                 scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
                 fields["replace"] += ((d.get("replacement", "\u2581"), " "),)
                 if scheme != "never":
-                    fields["strip"] = StripMode.FIRST_PIECE
+                    fields["strip"] = StripMode.FIRST_PIECE_ALL
             elif kind == "Replace" and "String" in d.get("pattern", {}):
                 fields["replace"] += ((d["pattern"]["String"], d["content"]),)
             elif kind == "Strip" and d.get("content") == " " and d.get("start") == 1 and d.get("stop") == 0:

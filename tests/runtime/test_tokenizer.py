@@ -701,3 +701,28 @@ def test_unsupported_tokenizer_json_decoder(tmp_path):
     hf.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="decoder.*WordPiece.*not supported"):
         Tokenizer.from_pretrained_dir(tmp_path)
+
+
+@pytest.mark.parametrize("scheme", ["always", "first", "never"])
+def test_tokenizer_json_metaspace_decoder_matches_hf(tmp_path, scheme):
+    """HF's Metaspace decoder drops every "▁" of the first token (not one leading space, as
+    SentencePiece does), unless prepend_scheme is "never"; the streamed text after a prompt keeps
+    them."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "▁▁": 2, "▁a": 3, "b▁c": 4, "▁": 5, "d": 6, "<0x20>": 7}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
+    hf.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
+    hf.add_special_tokens(["<s>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    cases = ([2, 3], [3, 4], [4, 3], [5, 5, 6], [1, 2, 6], [1, 5], [6, 2], [7, 3], [2])
+    for ids in cases:
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+        for cut in range(1, len(ids)):
+            d = tok.incremental_detokenizer(prompt_ids=ids[:cut])
+            streamed = "".join(d.step(i) for i in ids[cut:]) + d.flush()
+            assert tok.decode(ids[:cut]) + streamed == tok.decode(ids), (ids, cut)
