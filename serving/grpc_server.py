@@ -14,10 +14,12 @@ the call ends with DEADLINE_EXCEEDED. A cancelled call (client gone) cancels the
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
@@ -86,12 +88,15 @@ def _timeout(context) -> float | None:
     return context.time_remaining()
 
 
-def _close(stream, context) -> None:
-    """Ends a handler's request. gRPC itself usually ends a call whose deadline passed (it cancels
-    the handler) before the stream's own deadline fires: count that as the deadline failure it is,
-    not as a request the client cancelled."""
+def _close(stream, context, timeout_s: float | None) -> None:
+    """Ends a handler's request. A call whose deadline passed usually ends before the stream's own
+    deadline fires, cancelled by the client or by gRPC: count that as the deadline failure it is,
+    not as a request the client cancelled. gRPC's header rounds a deadline up to three significant
+    digits (a client's 1.5 s arrives as ~1.51 s, 100.1 s as ~101 s), so the client's deadline
+    passes while this side still sees up to 1% of `timeout_s` (the time left on arrival) left."""
     left = context.time_remaining()
-    stream.close(failure="deadline" if left is not None and left <= 0 else None)
+    passed = left is not None and left <= 0.01 * (timeout_s or 0.0) + 0.05
+    stream.close(failure="deadline" if passed else None)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -109,13 +114,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise InvalidRequest("set one of text, token_ids or chat as the prompt", param="prompt")
+            timeout_s = _timeout(context)
             spec = GenerationSpec(
                 params=sampling_params_from_proto(request.sampling, keep_special_tokens=request.keep_special_tokens),
                 text=request.text if kind == "text" else None,
                 token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
                 messages=_messages(request.chat) if kind == "chat" else None,
                 request_id=request.request_id or None, priority=request.priority,
-                cache_salt=request.cache_salt or None, timeout_s=_timeout(context))
+                cache_salt=request.cache_salt or None, timeout_s=timeout_s)
             stream = await self.core.submit(spec)
         except ServingError as e:
             await _abort(context, e)
@@ -156,7 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ServingError as e:
             await _abort(context, e)
         finally:
-            _close(stream, context)
+            _close(stream, context, timeout_s)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
@@ -204,11 +210,12 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             if n < 1:
                 raise InvalidRequest(f"num_samples is {n}; it must be >= 1", param="num_samples")
             params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens or None, n=n)
+            timeout_s = _timeout(context)
             spec = GenerationSpec(
                 params=params,
                 text=request.text_content.text if kind == "text_content" else None,
                 token_ids=list(request.token_content.token_ids) if kind == "token_content" else None,
-                timeout_s=_timeout(context))
+                timeout_s=timeout_s)
             stream = await self.core.submit(spec)
         except ServingError as e:
             await _abort(context, e)
@@ -225,7 +232,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except ServingError as e:
             await _abort(context, e)
         finally:
-            _close(stream, context)
+            _close(stream, context, timeout_s)
 
     async def HealthCheck(self, request: pb.HealthCheckRequest, context):
         return pb.HealthCheckResponse(is_live=self.core.health()[0])
@@ -252,38 +259,78 @@ class _Health(health.aio.HealthServicer):
             await self.set(name, status)
 
 
-class _AuthInterceptor(grpc.aio.ServerInterceptor):
+class _RequestGate(grpc.aio.ServerInterceptor):
+    """Every call passes here first. With API keys on, a call without a valid key is refused
+    before its request is parsed. A request that does not parse (invalid UTF-8 in a string field,
+    corrupt bytes) ends INVALID_ARGUMENT: gRPC would end it UNKNOWN and log the parser's traceback.
+    Calls that stream requests (reflection) parse as gRPC does."""
+
     def __init__(self, keys: APIKeyChecker) -> None:
         self.keys = keys
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_AUTH_EXEMPT):
-            return handler
-        md = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        if self.keys.check_authorization(md.get("authorization"), md.get("x-api-key")):
-            return handler
-        return _deny(handler)
+        if handler is None:
+            return None
+        allowed = not self.keys.enabled or details.method.startswith(_AUTH_EXEMPT)
+        if not allowed:
+            md = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+            allowed = self.keys.check_authorization(md.get("authorization"), md.get("x-api-key"))
+        if handler.request_streaming:
+            return handler if allowed else _deny(handler)
+        return _gated(handler, allowed)
+
+
+_DENIED = "a valid API key is needed: send metadata 'authorization: Bearer <key>'"
 
 
 def _deny(handler):
-    msg = "a valid API key is needed: send metadata 'authorization: Bearer <key>'"
-
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
     async def streaming(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
         yield  # makes this an async generator, as streaming handlers are
 
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(unary, **kw)
     return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+
+
+def _gated(handler, allowed: bool):
+    """A unary-request handler that takes the request's bytes, then checks the key and parses."""
+    parse = handler.request_deserializer
+
+    async def request_of(data: bytes, context):
+        if not allowed:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        try:
+            return parse(data) if parse is not None else data
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse: {e}")
+
+    kw = dict(response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        behaviour = handler.unary_unary
+
+        async def unary(data, context):
+            return await behaviour(await request_of(data, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    behaviour = handler.unary_stream
+    if not inspect.isasyncgenfunction(behaviour):  # it writes with context.write (grpc's health Watch)
+
+        async def writing(data, context):
+            await behaviour(await request_of(data, context), context)
+
+        return grpc.unary_stream_rpc_method_handler(writing, **kw)
+
+    async def streaming(data, context):
+        async for response in behaviour(await request_of(data, context), context):
+            yield response
+
+    return grpc.unary_stream_rpc_method_handler(streaming, **kw)
 
 
 def _jetstream_handler(servicer: OrchestratorServicer):
@@ -305,7 +352,7 @@ class GrpcServer:
         keys = keys or APIKeyChecker(config.api_keys)
         # so_reuseport off: with gRPC's default a second server on a taken port bound it too and the
         # kernel split the connections between the two processes, instead of the second one failing.
-        self.server = grpc.aio.server(interceptors=[_AuthInterceptor(keys)] if keys.enabled else [],
+        self.server = grpc.aio.server(interceptors=[_RequestGate(keys)],
                                       options=[("grpc.so_reuseport", 0)])
         self.health = _Health(core)
         orchestrator = OrchestratorServicer(core)

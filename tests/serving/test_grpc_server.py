@@ -120,9 +120,11 @@ def test_deadline_and_cancel_abort_the_request(stub, server):
     aborted, late = finished_count(core, "abort"), failed_count(core, "deadline")
     # the engine makes no step until the server cancels: the deadline expires mid-way, however fast.
     # Each request counts once: the deadline as a failure, not also as a finish by its cancel's abort.
-    for _ in range(3):
+    # (gRPC rounds a deadline up to three digits on the way: the client's 1.5 s passes first, and
+    # the client cancels with ~10 ms still left here)
+    for timeout in (0.3, 0.3, 1.5):
         with steps_held_until_cancel(server), pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=0.3))
+            list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=timeout))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         server.call(core.wait_idle(), timeout=30)
     assert (finished_count(core, "abort"), failed_count(core, "deadline")) == (aborted, late + 3)
@@ -260,6 +262,29 @@ def test_jetstream_client_works_unchanged(channel, jetstream):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _corrupt(message, good: bytes, bad: bytes) -> bytes:
+    data = message.SerializeToString()
+    assert good in data
+    return data.replace(good, bad)
+
+
+@pytest.mark.parametrize("method, data", [
+    ("/xlaserve.v1.Generation/Generate", _corrupt(pb.GenerateRequest(text="hi!"), b"hi!", b"hi\xff")),
+    ("/xlaserve.v1.Generation/Tokenize", _corrupt(pb.TokenizeRequest(text="ab"), b"ab", b"\xc3(")),
+    ("/xlaserve.v1.Generation/Generate", _corrupt(pb.GenerateRequest(request_id="r1"), b"r1", b"\xed\xa0")),
+    ("/jetstream_proto.Orchestrator/Decode", b"\xff\xff"),
+    ("/xlaserve.v1.Generation/ModelInfo", b"\x0a"),
+])
+def test_a_request_that_does_not_parse_is_an_invalid_argument(channel, method, data):
+    """gRPC ended these UNKNOWN, logging the parser's traceback each time."""
+    call = channel.unary_unary if method.endswith(("Tokenize", "ModelInfo")) else channel.unary_stream
+    with pytest.raises(grpc.RpcError) as e:
+        out = call(method)(data, timeout=30)
+        list(out) if not isinstance(out, bytes) else out
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("the request does not parse: ")
+
+
 def test_api_keys_and_health_exemption(engine):
     s = LiveServer(engine, api_keys=("sekrit",)).start()
     try:
@@ -274,6 +299,14 @@ def test_api_keys_and_health_exemption(engine):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             out = list(stub.Generate(req, timeout=30, metadata=[("authorization", "Bearer sekrit")]))
             assert out[-1].finished
+            # the key is checked before the request is parsed
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.unary_stream("/xlaserve.v1.Generation/Generate")(b"\xff\xff", timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary("/xlaserve.v1.Generation/Tokenize")(b"\xff", timeout=30,
+                                                                   metadata=[("authorization", "Bearer sekrit")])
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             h = health_pb2_grpc.HealthStub(ch)
             assert h.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
             assert pb_grpc.OrchestratorStub(ch).HealthCheck(pb.HealthCheckRequest()).is_live
