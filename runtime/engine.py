@@ -176,8 +176,12 @@ class _Group:
     first: Request | None = None  # the scheduler's state of seqs[0] (kept after it finishes)
 
     @cached_property
-    def max_stop_len(self) -> int:  # read for every output of every step: computed once
-        return max((len(s) for s in self.params.stop), default=0)
+    def held_chars(self) -> int:
+        """Characters of a running sequence's text held back (read for every output of every step:
+        computed once): they may still begin a stop string, which the text must not show."""
+        if self.params.include_stop_str_in_output:
+            return 0  # (a match keeps the stop string, so nothing shown is ever taken back)
+        return max(max((len(s) for s in self.params.stop), default=0) - 1, 0)
 
     @cached_property
     def output_prompt_ids(self) -> list[int]:
@@ -499,7 +503,9 @@ class Engine:
             if lp_row is not None:
                 seq.logprobs.append(lp_row)
                 seq.cumulative_logprob += lp_row[token]
-            if seq.detok is not None:
+            if seq.detok is not None and not (finish_reason == FINISH_STOP and not isinstance(stop_reason, str)
+                                              and not seq.group.params.include_stop_str_in_output):
+                # (the text of a stop token, EOS or a stop_token_ids entry, stays out: as in vLLM)
                 before = len(seq.text)
                 seq.text += seq.detok.step(token)
                 stop = _cut_at_stop(seq, before) if seq.group.params.stop else None  # (a call per token saved)
@@ -535,7 +541,7 @@ class Engine:
         whole = group.finished or group.params.output_kind != OUTPUT_DELTA
         outs = []
         for seq in group.seqs:
-            hold = 0 if seq.finished else max(group.max_stop_len - 1, 0)  # may still become a stop string
+            hold = 0 if seq.finished else group.held_chars
             visible = max(seq.emitted_chars, len(seq.text) - hold)
             new_text = seq.text[seq.emitted_chars : visible]
             first = seq.emitted_tokens
@@ -627,7 +633,8 @@ def frozen_heap(*, collect: bool = False):
 
 def _cut_at_stop(seq: _Seq, new_from: int) -> str | None:
     """The stop string that ends earliest in seq.text[new_from:], after cutting the text where it
-    starts; None when there is none, or before min_tokens tokens (as in vLLM)."""
+    starts (where it ends with include_stop_str_in_output); None when there is none, or before
+    min_tokens tokens (as in vLLM)."""
     params = seq.group.params
     if not params.stop or len(seq.output_ids) <= params.min_tokens:
         return None
@@ -638,7 +645,7 @@ def _cut_at_stop(seq: _Seq, new_from: int) -> str | None:
             best = (i, s)
     if best is None:
         return None
-    seq.text = seq.text[: best[0]]
+    seq.text = seq.text[: best[0] + (len(best[1]) if params.include_stop_str_in_output else 0)]
     return best[1]
 
 

@@ -60,6 +60,10 @@ class SamplingParams:
     skip_special_tokens (vLLM's name and default) leaves the tokenizer's special tokens (BOS, EOS,
     chat markers such as <|im_end|>) out of the output text; their ids stay in token_ids. Stop
     strings are matched against the text as produced, so with False they can match those markers.
+
+    The text ends before what stopped it: the matched stop string, or the text of the stop token
+    (EOS or one of stop_token_ids) that ended the sequence, whose id stays in token_ids. With
+    include_stop_str_in_output (vLLM's name) the text keeps them.
     """
 
     temperature: float = 1.0
@@ -80,6 +84,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     output_kind: str = OUTPUT_CUMULATIVE
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Copies, so that a caller mutating its list cannot change a submitted request (None: none, as in vLLM).
@@ -147,8 +152,9 @@ class SamplingParams:
                 fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             fail(f"n must be an int >= 1, got {self.n!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            fail(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.output_kind not in OUTPUT_KINDS:
             fail(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:

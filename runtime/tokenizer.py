@@ -205,6 +205,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
@@ -214,7 +215,15 @@ class Tokenizer:
         bos_token/eos_token/unk_token/pad_token in scope. Extra keyword arguments (`tools`,
         `documents`, `enable_thinking`, ...) are passed to the template. A template that does not
         parse is a ValueError (compile_chat_template); one that raises while rendering, a
-        jinja2 TemplateError."""
+        jinja2 TemplateError.
+
+        continue_final_message (transformers' rule): the text ends where the last message's content
+        does, so that generation continues that message (a prefilled assistant reply) instead of
+        starting a new one; a ValueError if the template does not write that content, or with
+        add_generation_prompt."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
+                             "the first continues the last message, the second starts a new one")
         if chat_template is None:
             if not self._chat_templates:
                 raise ValueError(f"{self._source} has no chat template")
@@ -229,7 +238,8 @@ class Tokenizer:
         }
         context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None)
         context.update(kwargs)
-        return compile_chat_template(chat_template).render(**context)
+        text = compile_chat_template(chat_template).render(**context)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     # --- constructors -------------------------------------------------------------------------
 
@@ -709,6 +719,24 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`text` up to the end of the last message's content, as transformers' continue_final_message
+    cuts it (a template that trims the content's trailing spaces is allowed for)."""
+    if not messages:
+        raise ValueError("continue_final_message needs a message to continue")
+    content = messages[-1].get("content")
+    if isinstance(content, (list, tuple)):  # content parts: the last text part
+        texts = [p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise ValueError("continue_final_message is set, but the chat template does not write the last message's "
+                         "content (or it is empty)")
+    at = text.rindex(content.strip())
+    if text[at : at + len(content.lstrip())] == content.lstrip():
+        return text[: at + len(content.lstrip())]
+    return text[: at + len(content.strip())]
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,6 +40,23 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat messages become the prompt (vLLM's request fields, transformers' arguments):
+    add_generation_prompt opens the assistant's reply; continue_final_message instead continues the
+    last message (a prefilled reply); template_kwargs (chat_template_kwargs) are passed to the
+    template, e.g. {"enable_thinking": false}."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+# names the chat template's context holds already: a client's chat_template_kwargs may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                                      "tools", "documents", "bos_token", "eos_token", "unk_token", "pad_token"})
+
+
 @dataclass
 class GenerationSpec:
     """A request as the adapters hand it over; exactly one of text, token_ids, messages is set."""
@@ -48,6 +65,7 @@ class GenerationSpec:
     text: str | None = None
     token_ids: Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)  # for messages
     add_special_tokens: bool = True  # for text: BOS etc. as the tokenizer adds them
     request_id: str | None = None
     priority: int = 0
@@ -227,7 +245,7 @@ class ServingCore:
             raise Unavailable(f"the engine loop is not running ({h.error or 'stopped'})", code="engine_dead")
 
     # -- preparation ----------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions = ChatOptions()) -> str:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequest("this model has no tokenizer, so chat is not available; send token ids",
@@ -238,7 +256,9 @@ class ServingCore:
             raise InvalidRequest(f"{why}; use /v1/completions or start the server with --chat-template",
                                  param="messages")
         try:
-            return tok.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self._chat_template)
+            return tok.apply_chat_template(msgs, add_generation_prompt=options.add_generation_prompt,
+                                           continue_final_message=options.continue_final_message,
+                                           chat_template=self._chat_template, **options.template_kwargs)
         except Exception as e:  # the template parsed at start-up; raise_exception in it and the like are the messages' fault
             raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -257,7 +277,7 @@ class ServingCore:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer; send the prompt as token ids", param="prompt")
         if spec.messages is not None:
-            text = self.render_chat(spec.messages)
+            text = self.render_chat(spec.messages, spec.chat)
             add_special = False  # the template writes BOS itself
         else:
             text, add_special = spec.text, spec.add_special_tokens
@@ -299,9 +319,10 @@ class ServingCore:
             if bad is not None:
                 raise InvalidRequest(f"{what} {bad} is out of range; the vocabulary has {V} ids", param=param)
 
-    async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True,
+                       chat: ChatOptions = ChatOptions()) -> list[int]:
         self._check_ready_for_info()
-        spec = GenerationSpec(params=SamplingParams(), text=text, messages=messages,
+        spec = GenerationSpec(params=SamplingParams(), text=text, messages=messages, chat=chat,
                               add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._prompt_ids, spec)
 

@@ -65,6 +65,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams, *, keep_special_tokens: bo
             n=sp.n if has("n") else 1,
             logit_bias=dict(sp.logit_bias) or None,
             skip_special_tokens=not keep_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
         )
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

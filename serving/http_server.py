@@ -39,6 +39,7 @@ from serving.openai_protocol import (
     completion_logprobs,
     new_rows,
     parse_chat,
+    parse_chat_options,
     parse_completion,
     usage,
 )
@@ -162,7 +163,7 @@ class _Api:
         if isinstance(body.get("prompt"), str):
             ids = await self.core.tokenize(text=body["prompt"], add_special_tokens=add_special)
         elif "messages" in body:
-            ids = await self.core.tokenize(messages=body["messages"])
+            ids = await self.core.tokenize(messages=body["messages"], chat=parse_chat_options(body))
         else:
             raise InvalidRequest("give prompt (a string) or messages", param="prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.core.model_info.max_model_len})
@@ -185,7 +186,7 @@ class _Api:
                       logprobs_param="top_logprobs" if req.kind == "chat" else "logprobs")
         if req.prompts is None:
             streams = [await self.core.submit(GenerationSpec(text=req.text, token_ids=req.token_ids,
-                                                             messages=req.messages, **common))]
+                                                             messages=req.messages, chat=req.chat, **common))]
         else:  # a batch: one engine request per prompt
             streams = await self.core.submit_batch([
                 GenerationSpec(**{**common, "request_id": f"{rid}-{i}"},

@@ -4,15 +4,16 @@ Parsing is strict about types and ranges and names the offending parameter (`par
 envelope); parameters we cannot honour (echo, suffix, tools, ...) are refused with a
 400 rather than silently ignored. Beyond OpenAI's parameters, vLLM's extensions are accepted in
 the body (the openai client's `extra_body`): top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, priority, cache_salt. A completions `prompt` may be a batch (a list of
+ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority, cache_salt. A completions `prompt` may be a batch (a list of
 strings and token id lists): one engine request per prompt, answered as one response.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.request import MAX_LOGIT_BIAS, SamplingParams, is_finite
+from serving.core import RESERVED_TEMPLATE_KWARGS, ChatOptions
 from serving.errors import InvalidRequest, NotFound
 
 _MISSING = object()
@@ -30,6 +31,7 @@ class ParsedRequest:
     priority: int = 0
     cache_salt: str | None = None
     chat_logprobs: bool = False  # chat: logprobs were asked for (top_logprobs may be 0)
+    chat: ChatOptions = field(default_factory=ChatOptions)
     # completions with a batch of 2 or more prompts: each a string or token ids (text/token_ids unset)
     prompts: list[str | list[int]] | None = None
 
@@ -37,6 +39,11 @@ class ParsedRequest:
 # vLLM's structured-output request fields (guided decoding); none is supported
 _STRUCTURED_OUTPUT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                       "structured_outputs")
+# vLLM's other request fields that change the result, and the values that leave it as it is here
+_VLLM_UNSUPPORTED = {"prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None,),
+                     "truncate_prompt_tokens": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+                     "detokenize": (None, True), "return_tokens_as_token_ids": (None, False),
+                     "spaces_between_special_tokens": (None, True), "logits_processors": (None,)}
 
 
 # -- field readers -------------------------------------------------------------------------------
@@ -173,6 +180,8 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
         _refuse(body, name, why="(tool calling) is not supported")
     _refuse(body, "tool_choice", allowed=(None, "none"), why="(tool calling) is not supported")
     _refuse(body, "function_call", allowed=(None, "none"), why="(tool calling) is not supported")
+    for name, allowed in _VLLM_UNSUPPORTED.items():
+        _refuse(body, name, allowed=allowed)
     n = _integer(body, "n", 1, lo=1)
     best_of = _integer(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
@@ -196,6 +205,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
             ignore_eos=_boolean(body, "ignore_eos", False),
             n=n,
             skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+            include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
             logit_bias=logit_bias,
         )
     except ValueError as e:  # SamplingParams' own cross-field checks (min_tokens <= max_tokens, ...)
@@ -257,7 +267,29 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
         raise InvalidRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
     return ParsedRequest("chat", params, stream, include_usage, messages=messages, priority=priority,
-                         cache_salt=salt, chat_logprobs=want)
+                         cache_salt=salt, chat_logprobs=want, chat=parse_chat_options(body))
+
+
+def parse_chat_options(body: dict) -> ChatOptions:
+    """vLLM's chat rendering fields (the chat route and /tokenize with messages). A request's own
+    chat_template is refused, as vLLM does by default: a template runs code on the server."""
+    _refuse(body, "chat_template", why="(a request's own template) is not accepted; start the server with "
+                                       "--chat-template")
+    cont = _boolean(body, "continue_final_message", False)
+    gen = _boolean(body, "add_generation_prompt", not cont)
+    if cont and gen:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"chat_template_kwargs must be an object, got {kwargs!r}", param="chat_template_kwargs")
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields)",
+                             param="chat_template_kwargs")
+    return ChatOptions(add_generation_prompt=gen, continue_final_message=cont, template_kwargs=kwargs)
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -105,6 +105,42 @@ def test_stop_strings_wait_for_min_tokens(llm):
     llm.engine.check_invariants()
 
 
+def test_the_text_ends_before_what_stopped_it(llm):
+    """As in vLLM: the text leaves out the stop token's text (its id stays in token_ids) and the
+    stop string; include_stop_str_in_output keeps both, and then nothing is held back while
+    streaming."""
+    tok = llm.tokenizer
+    prompt_ids = tok.encode(PROMPTS[0])
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+
+    def text_of(k):  # the output text of the first k tokens
+        return tok.decode(prompt_ids + base.token_ids[:k])[len(tok.decode(prompt_ids)):]
+
+    j = next(j for j in range(3, 40) if base.token_ids[j] not in base.token_ids[:j] and text_of(j + 1) != text_of(j))
+    t = base.token_ids[j]
+    for include in (False, True):
+        c = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t],
+                                                    include_stop_str_in_output=include))[0].outputs[0]
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (base.token_ids[: j + 1], "stop", t)
+        assert c.text == text_of(j + 1 if include else j)
+    stop = " ".join(base.text.split()[3:5])
+    end = base.text.index(stop) + len(stop)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop],
+                                                  include_stop_str_in_output=True))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            c = o.outputs[0]
+            streamed += c.new_text
+            if not o.finished:  # nothing held back: the text of every token so far
+                assert c.text == text_of(len(c.token_ids))
+            final = o
+    c = final.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (base.text[:end], "stop", stop) and streamed == c.text
+    engine.check_invariants()
+
+
 def test_the_final_flush_is_checked_against_stop_strings(llm):
     """An incomplete character at the end becomes U+FFFD only when the sequence ends; a stop string
     in that last text cuts it as anywhere else."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from runtime.detokenizer import StripMode
 from runtime.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer, read_gguf_metadata
-from runtime.tokenizer import Tokenizer, load_tokenizer
+from runtime.tokenizer import Tokenizer, _cut_after_final_message, load_tokenizer
 from tests.testing.data import shared_data_dir, smollm2_gguf_path, write_bpe_gguf
 
 GGML_VOCABS = ("llama-bpe", "llama-spm", "qwen2")
@@ -471,6 +471,23 @@ def test_chat_template_matches_transformers(qwen2_pair, gen_prompt, tools):
     got = ours.apply_chat_template(CHAT, add_generation_prompt=gen_prompt, **kwargs)
     assert got == expected
     assert '"Grüße, \\"quoted\\" <b>tag</b> 東京"' in got  # tojson: no HTML escaping, no \\u escapes
+
+
+@pytest.mark.parametrize("last", ["The capital of France is", "Paris   ", "  spaced\n"])
+def test_continue_final_message_matches_transformers(qwen2_pair, last):
+    ours, hf = qwen2_pair
+    chat = [{"role": "user", "content": "Where is the Eiffel Tower?"}, {"role": "assistant", "content": last}]
+    expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    got = ours.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected and not got.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(chat, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not write the last message's content"):
+        ours.apply_chat_template(chat[:1] + [{"role": "assistant", "content": " "}], add_generation_prompt=False,
+                                 continue_final_message=True)
+    # content parts: the last text part is continued, as in transformers
+    parts = [{"type": "text", "text": "One"}, {"type": "image"}, {"type": "text", "text": "Two"}]
+    assert _cut_after_final_message("<a>One Two</a>", [{"role": "assistant", "content": parts}]) == "<a>One Two"
 
 
 def test_chat_template_errors(tmp_path):

@@ -148,6 +148,11 @@ def test_stop_string(client):
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
                                             stop=" little", stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ", there was a"
+    for stream in (False, True):  # vLLM's include_stop_str_in_output keeps it
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, stop=" little",
+                                      stream=stream, extra_body={"include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == ", there was a little"
 
 
 def test_logit_bias(client, server):
@@ -310,6 +315,59 @@ def test_chat_errors(client):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                        logprobs=True, top_logprobs=21)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_chat_rendering_options(client, server):
+    """vLLM's continue_final_message, add_generation_prompt and chat_template_kwargs shape the
+    prompt (usage and /tokenize count the same tokens); a request's own template is refused."""
+    tok = server.engine.tokenizer
+    msgs = [{"role": "user", "content": "A story"}, {"role": "assistant", "content": "Once upon a"}]
+    for body, rendered in (({"continue_final_message": True}, "<s>user: A story\nassistant: Once upon a"),
+                           ({"continue_final_message": True, "add_generation_prompt": False},
+                            "<s>user: A story\nassistant: Once upon a"),
+                           ({"add_generation_prompt": False}, "<s>user: A story\nassistant: Once upon a\n"),
+                           ({"chat_template_kwargs": {"enable_thinking": False}},
+                            "<s>user: A story\nassistant: Once upon a\nassistant:")):
+        want = tok.encode(rendered, add_special_tokens=False)
+        got = httpx.post(server.http_url + "/tokenize", json={"messages": msgs, **body}).json()["tokens"]
+        assert got == want, body
+        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=3, temperature=0, extra_body=body)
+        assert r.usage.prompt_tokens == len(want)
+    for body, needle in (({"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
+                         ({"chat_template": "{{ messages }}"}, "start the server with --chat-template"),
+                         ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+                         ({"chat_template_kwargs": [1]}, "must be an object")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=3, extra_body=body)
+    with pytest.raises(openai.BadRequestError, match="does not write the last message's content"):
+        client.chat.completions.create(model=MODEL_NAME, messages=msgs[:1] + [{"role": "assistant", "content": ""}],
+                                       max_tokens=3, extra_body={"continue_final_message": True})
+
+
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("allowed_token_ids", [5]), ("bad_words", ["a"]),
+                                          ("truncate_prompt_tokens", 8), ("use_beam_search", True),
+                                          ("detokenize", False), ("return_tokens_as_token_ids", True),
+                                          ("spaces_between_special_tokens", False)])
+def test_vllm_fields_that_would_be_ignored_are_refused(client, field, value):
+    for create, kw in ((client.completions.create, {"prompt": PROMPT}),
+                       (client.chat.completions.create, {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
+            create(model=MODEL_NAME, max_tokens=2, extra_body={field: value}, **kw)
+        assert e.value.body["param"] == field
+        create(model=MODEL_NAME, max_tokens=2, extra_body={field: None}, **kw)  # (null: the default)
+
+
+def test_chat_template_kwargs_reach_the_template(engine):
+    from runtime.async_engine import AsyncEngine
+    from serving.config import ServerConfig
+    from serving.core import ChatOptions, ServingCore
+
+    core = ServingCore(ServerConfig(), MODEL_NAME)
+    core.attach(AsyncEngine(engine, start=False), tokenizer=engine.tokenizer,
+                chat_template="{{ messages[0].content }}{% if shout %}!{% endif %}")
+    msgs = [{"role": "user", "content": "x"}]
+    assert core.render_chat(msgs) == "x"
+    assert core.render_chat(msgs, ChatOptions(template_kwargs={"shout": True})) == "x!"
 
 
 def test_a_model_chat_template_that_does_not_parse_refuses_chat_alone(engine):
