@@ -321,8 +321,15 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
 def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ckptr:
+    ckptr = ocp.StandardCheckpointer()  # writes on background threads
+    try:
         ckptr.save(dst / ORBAX_STATE, _map_qkv(loaded.params, unrepeat_qkv, loaded.kv_repeat))
+        ckptr.wait_until_finished()
+    except BaseException:
+        _settle(ckptr)  # (Ctrl-C) its threads would go on writing into the folder save_orbax removes
+        raise
+    finally:
+        ckptr.close()
     meta = {"config": _config_to_json(loaded.config), "dtype": jnp.dtype(loaded.dtype).name, "source": loaded.source}
     tok = loaded.tokenizer_path
     if tok is not None:
@@ -336,6 +343,18 @@ def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
         else:  # a GGUF or llama2.c tokenizer file: referenced, not copied (GGUF files are large)
             meta["tokenizer"] = str(Path(tok).absolute())
     (dst / ORBAX_CONFIG).write_text(json.dumps(meta, indent=2))
+
+
+def _settle(ckptr) -> None:
+    """Waits for a failed or interrupted save's background writes to end (a second Ctrl-C too)."""
+    while True:
+        try:
+            ckptr.wait_until_finished()
+            return
+        except KeyboardInterrupt:
+            continue
+        except Exception:  # noqa: BLE001 - the save's own failure, raised by the caller already
+            return
 
 
 def restore_orbax(path: str | Path, *, mesh: jax.sharding.Mesh, dtype="auto") -> LoadedModel:

@@ -118,6 +118,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+        # (a YAML "false" or "no" is a string, and truthy: it would have meant True)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "strict_compile", "warmup", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.warmup_runs is not None and not isinstance(self.warmup_runs, bool):
             raise ValueError(f"warmup_runs must be None, True or False, got {self.warmup_runs!r}")
         for name in ("kv_memory_fraction", "watermark"):

@@ -131,6 +131,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+            bad = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise TypeError(f"sampling_params[{bad}] is {type(params[bad]).__name__}, not SamplingParams")
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has unfinished requests; LLM.generate needs it to itself")

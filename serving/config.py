@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from runtime.request import is_finite
+
 # EngineConfig.decode_steps of `xlaserve serve` unless set (the engine's own default is 1): when no request
 # waits, one device program samples 4 tokens of every running sequence. On H200s with llama3_2_1b this took
 # the time per output token from 1.40-1.41 to 0.83-1.08 ms at one request in flight and from 2.99-3.38 to
@@ -92,8 +94,8 @@ class ServerConfig:
             raise ValueError(f"max_stop must be an int >= 0, got {self.max_stop!r}")
         for name in ("retry_after_s", "drain_timeout_s", "health_stall_s", "status_interval_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (is_finite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         for i, k in enumerate(self.api_keys):
             if not isinstance(k, str) or not k:
                 raise ValueError(f"api_keys[{i}] must be a non-empty string, got "
@@ -174,11 +176,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """The config file as a dict with keys among model, tokenizer, server, engine (checked)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config file {p} does not exist")
+        raise FileNotFoundError(f"config file {p} {'is a folder' if p.is_dir() else 'does not exist'}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # (PyYAML's message spans lines: the problem and where, on one)
+        raise ValueError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{p}: the top level must be a mapping with keys {', '.join(_TOP_KEYS)}")
     unknown = sorted(set(data) - set(_TOP_KEYS))

@@ -291,6 +291,30 @@ def test_a_failed_save_leaves_no_partial_checkpoint(hf_dir, tmp_path, monkeypatc
     load_model(tmp_path / "empty")
 
 
+def test_an_interrupted_save_waits_for_its_writes_before_removing_them(hf_dir, tmp_path, monkeypatch):
+    """Ctrl-C while Orbax's threads write: the save waits for them (through a second Ctrl-C) and
+    then removes the partial folder, which the threads recreated after an immediate removal."""
+    import orbax.checkpoint as ocp
+
+    wait = ocp.StandardCheckpointer.wait_until_finished
+    interrupts = []
+
+    def interrupted(self):
+        if len(interrupts) < 2:  # the save's wait, then the first wait of the cleanup
+            interrupts.append(1)
+            raise KeyboardInterrupt
+        return wait(self)
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(hf_dir, tmp_path / "dst", progress=False)
+    monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", wait)
+    import time
+
+    time.sleep(0.5)  # (long enough for a write still running to show itself)
+    assert len(interrupts) == 2 and list(tmp_path.iterdir()) == []
+
+
 def test_restore_names_a_damaged_checkpoint(hf_dir, tmp_path):
     import shutil
 

@@ -267,6 +267,8 @@ def test_per_prompt_params_and_errors(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         llm.generate(PROMPTS[:2], [SamplingParams()])
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] is NoneType, not SamplingParams"):
+        llm.generate(PROMPTS[:2], [SamplingParams(), None])
     with pytest.raises(ValueError, match="max_model_len is 256"):
         llm.generate([PROMPTS[0], "word " * 400], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()  # every prompt is checked before any is queued

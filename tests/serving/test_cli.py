@@ -51,10 +51,12 @@ def test_generate_text_prompt_and_convert_roundtrip(tmp_path):
     (["generate", "--model", "/no/such/model", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["generate", "--model", "/no/such/model", "--max-tokens", "0"], "max_tokens"),
     (["generate", "--model", "/no/such/model", "--chat", "--prompt-ids", "1"], "cannot be used with --prompt-ids"),
+    (["--compile-cache", "/proc/no/such", "generate", "--model", "/no/such/model"], "--compile-cache /proc/no/such: "),
+    (["convert", "stories260k", "/proc/version/sub"], "is a file"),
 ])
 def test_bad_input_gives_one_clear_line(args, message):
     r = xlaserve(*args)
-    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert r.returncode == 2 and message in r.stderr.splitlines()[-1], r.stderr  # (argparse's: usage, then the line)
     assert "Traceback" not in r.stderr
 
 
@@ -125,6 +127,9 @@ def test_serve_on_a_host_of_another_machine_names_it(host):
     ({"engine": {"mesh": {"tensr": 2}}}, "unknown mesh axes ['tensr']; allowed: replica, tensor, context"),
     ({"engine": {"mesh": 2}}, "mesh must be a mapping such as {tensor: 2}, got 2"),
     ({"engine": {"kv_memory_fraction": "x"}}, "kv_memory_fraction must be a number, got 'x'"),
+    # (a quoted "false" is a string, which is truthy: prefix caching stayed on)
+    ({"engine": {"enable_prefix_caching": "false"}}, "enable_prefix_caching must be True or False, got 'false'"),
+    ({"server": {"drain_timeout_s": float("nan")}}, "drain_timeout_s must be a finite number >= 0, got nan"),
 ])
 def test_serve_bad_config_value_is_one_line_before_the_model_loads(tmp_path, config, message):
     config = {**config, "server": {"port": 0, "grpc_port": 0, **config.get("server", {})}}

@@ -176,6 +176,10 @@ def test_server_config_checks(tmp_path):
         ServerConfig(port=None, grpc_port=None)
     with pytest.raises(ValueError, match="max_n must be an int >= 1"):
         ServerConfig(max_n=0)
+    for name in ("retry_after_s", "drain_timeout_s", "health_stall_s", "status_interval_s"):
+        for bad in (float("nan"), float("inf"), -1):  # (nan: a drain that never times out)
+            with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+                ServerConfig(**{name: bad})
     assert ServerConfig().host == "127.0.0.1"  # loopback unless told otherwise
     t = tmp_path / "t.jinja"
     t.write_text("{{ messages }}")
@@ -211,6 +215,12 @@ def test_yaml_settings_and_flag_precedence(tmp_path):
     bad.write_text("models: x\n")
     with pytest.raises(ValueError, match="unknown top-level keys"):
         load_yaml(bad)
+    bad.write_text("server:\n  port: [1\n")
+    with pytest.raises(ValueError, match="not valid YAML") as e:
+        load_yaml(bad)
+    assert "\n" not in str(e.value)  # one line, as the CLI prints it
+    with pytest.raises(FileNotFoundError, match="is a folder"):
+        load_yaml(tmp_path)
 
 
 def test_every_serve_flag_maps_to_a_config_key(tmp_path):
