@@ -87,13 +87,19 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
-        """match(), counted in the hit/query statistics. The caller must incref the pages before
+    def lookup(self, hashes: Sequence[bytes], num_tokens: int, *, count: bool = True) -> list[int]:
+        """match(), counted in the hit/query statistics unless `count` is false (a request admitted
+        again after preemption: its prompt counted once). The caller must incref the pages before
         allocating anything, or an eviction may hand one of them out."""
         pages = self.match(hashes, num_tokens)
-        self.num_query_tokens += num_tokens
-        self.num_hit_tokens += len(pages) * self.page_size
+        if count:
+            self.record(num_tokens, len(pages) * self.page_size)
         return pages
+
+    def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Counts a prompt of num_query_tokens tokens whose first num_hit_tokens were cached."""
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def insert(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
         """Register computed full pages: pages[i] holds the page named hashes[i]. Returns how many

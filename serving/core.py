@@ -105,7 +105,7 @@ class _Live:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     first_token_at: float | None = None
-    last_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)  # by sequence (output index)
     generated: int = 0
     # How the request was counted in the metrics (once): "finished" (request_success_total, by its
     # finish reason) or a failure reason (request_failure_total), whichever came first.
@@ -339,16 +339,23 @@ class ServingCore:
         (the new_* fields; a cumulative copy would cost the engine's host O(length) per request per
         step), the final output the whole sequence."""
         try:
-            self._check_accepting()
-            if spec.request_id is not None:
-                _check_request_id(spec.request_id)
-            ids = await asyncio.to_thread(self._prompt_ids, spec)
-            self.check_limits(len(ids), spec.params, spec.logprobs_param)
-            self._check_accepting()  # the state may have changed while tokenizing
-            ticket = self.admission.admit(len(ids))
+            ids, ticket = await self._prepare(spec)
         except ServingError as e:
             self.metrics.request_failed(_failure_reason(e))
             raise
+        return self._start(spec, ids, ticket)
+
+    async def _prepare(self, spec: GenerationSpec) -> tuple[list[int], Ticket]:
+        """The request's checks, its prompt's ids and its place in the admission queue."""
+        self._check_accepting()
+        if spec.request_id is not None:
+            _check_request_id(spec.request_id)
+        ids = await asyncio.to_thread(self._prompt_ids, spec)
+        self.check_limits(len(ids), spec.params, spec.logprobs_param)
+        self._check_accepting()  # the state may have changed while tokenizing
+        return ids, self.admission.admit(len(ids))
+
+    def _start(self, spec: GenerationSpec, ids: list[int], ticket: Ticket) -> RequestStream:
         from runtime.async_engine import EngineDeadError, GenerationRequest
 
         rid = spec.request_id or f"req-{uuid.uuid4().hex}"
@@ -377,20 +384,32 @@ class ServingCore:
 
     async def submit_batch(self, specs: Sequence[GenerationSpec]) -> list[RequestStream]:
         """Submit several prompts of one client request (OpenAI completions with a list of prompts),
-        all or none: their sequences (n each) count against max_n together, and if one prompt is
-        refused, the ones already submitted are cancelled and its error is raised."""
+        all or none: their sequences (n each) count against max_n together, and every prompt is
+        checked before any runs; a refusal counts once, as the one failed request it is."""
         total = sum(spec.params.n for spec in specs)
         if total > self.config.max_n:
             self.metrics.request_failed("invalid")
             raise InvalidRequest(f"the {len(specs)} prompts ask for {total} sequences in all (n for each); max_n "
                                  f"is {self.config.max_n}", param="prompt")
-        streams: list[RequestStream] = []
+        prepared: list[tuple[GenerationSpec, list[int], Ticket]] = []
         try:
             for spec in specs:
-                streams.append(await self.submit(spec))
-        except BaseException:
+                prepared.append((spec, *await self._prepare(spec)))
+        except BaseException as e:
+            for _, _, ticket in prepared:
+                ticket.release()
+            if isinstance(e, ServingError):
+                self.metrics.request_failed(_failure_reason(e))
+            raise
+        streams: list[RequestStream] = []
+        try:
+            for i, (spec, ids, ticket) in enumerate(prepared):
+                streams.append(self._start(spec, ids, ticket))
+        except BaseException:  # (the engine refused one, or died): the ones started are withdrawn
             for st in streams:
-                st.close()
+                st.withdraw()
+            for _, _, ticket in prepared[i + 1:]:
+                ticket.release()
             raise
         return streams
 
@@ -399,14 +418,18 @@ class ServingCore:
         try:
             async for out in stream:
                 now = time.monotonic()
-                new = sum(len(o.new_token_ids) for o in out.outputs)
+                new = 0
+                for o in out.outputs:
+                    if o.new_token_ids:
+                        new += len(o.new_token_ids)
+                        last = live.last_token_at.get(o.index)
+                        if last is not None:  # a gap between tokens of one sequence (n > 1: each its own)
+                            m.itl.observe(now - last)
+                        live.last_token_at[o.index] = now
                 if new:
                     if live.first_token_at is None:
                         live.first_token_at = now
                         m.ttft.observe(now - live.arrival)
-                    else:
-                        m.itl.observe(now - live.last_token_at)
-                    live.last_token_at = now
                     live.generated += new
                     m.generation_tokens.inc(new)
                 live.ticket.release()  # any output means the request left the waiting queue
@@ -476,6 +499,13 @@ class RequestStream:
             if failure is not None:
                 self._count_failure(failure)
             self._live.engine_stream.cancel()  # (this request's, not a later one of the same id)
+
+    def withdraw(self) -> None:
+        """Cancel a request that is part of a refused client request: it counts as neither a
+        failure (the refusal is counted) nor a finished request."""
+        if self._live.counted is None:
+            self._live.counted = "withdrawn"
+        self.close()
 
     def _count_failure(self, reason: str) -> None:
         if self._live.counted is None:

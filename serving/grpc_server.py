@@ -123,6 +123,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 messages=_messages(request.chat) if kind == "chat" else None,
                 request_id=request.request_id or None, priority=request.priority,
                 cache_salt=request.cache_salt or None, timeout_s=timeout_s)
+        except ServingError as e:  # (the core counts what it refuses; this is refused before it)
+            self.core.metrics.request_failed("invalid")
+            await _abort(context, e)
+            return
+        try:
             stream = await self.core.submit(spec)
         except ServingError as e:
             await _abort(context, e)
@@ -217,6 +222,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 text=request.text_content.text if kind == "text_content" else None,
                 token_ids=list(request.token_content.token_ids) if kind == "token_content" else None,
                 timeout_s=timeout_s)
+        except ServingError as e:
+            self.core.metrics.request_failed("invalid")
+            await _abort(context, e)
+            return
+        try:
             stream = await self.core.submit(spec)
         except ServingError as e:
             await _abort(context, e)

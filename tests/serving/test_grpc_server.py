@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving.protos import xlaserve_pb2 as pb
 from serving.protos import xlaserve_pb2_grpc as pb_grpc
 from tests.serving.conftest import MODEL_NAME, LiveServer, steps_held_until_cancel
-from tests.serving.test_http_server import GOLDEN, PROMPT, finished_count
+from tests.serving.test_http_server import GOLDEN, PROMPT, failed_count, finished_count
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +99,15 @@ def test_generate_stop_string(stub):
     (pb.SamplingParams(logit_bias={900: 1.0}), PROMPT, "logit_bias token id 900 is out of range"),
     (pb.SamplingParams(), None, "set one of text, token_ids or chat"),
 ])
-def test_generate_invalid_argument(stub, sampling, prompt, needle):
+def test_generate_invalid_argument(stub, server, sampling, prompt, needle):
     req = pb.GenerateRequest(sampling=sampling)
     if prompt is not None:
         req.text = prompt
+    invalid = failed_count(server.core, "invalid")
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
-
-
-def failed_count(core, reason: str) -> float:
-    v = core.metrics.registry.get_sample_value("xlaserve:request_failure_total",
-                                               {"model_name": MODEL_NAME, "reason": reason})
-    return v or 0.0
+    assert failed_count(server.core, "invalid") == invalid + 1  # (refused by the servicer or by the core)
 
 
 def test_deadline_and_cancel_abort_the_request(stub, server):

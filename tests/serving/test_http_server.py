@@ -222,12 +222,19 @@ def test_completion_batch_refused_whole(client, server):
     prompts submitted before the bad one are cancelled)."""
     with pytest.raises(openai.BadRequestError, match=r"the 9 prompts ask for 18 sequences in all .* max_n is 16"):
         client.completions.create(model=MODEL_NAME, prompt=[PROMPT] * 9, n=2, max_tokens=4)
-    aborted = finished_count(server.core, "abort")
+    core = server.core
+
+    def prompt_tokens():
+        return core.metrics.registry.get_sample_value("xlaserve:prompt_tokens_total", {"model_name": MODEL_NAME})
+
+    aborted, invalid, before = finished_count(core, "abort"), failed_count(core, "invalid"), prompt_tokens()
     with pytest.raises(openai.BadRequestError, match="token id 600 is out of range"):
         client.completions.create(model=MODEL_NAME, prompt=[PROMPT, [600]], max_tokens=200,
                                   extra_body={"ignore_eos": True})
-    server.call(server.core.wait_idle(), timeout=30)
-    assert server.core.in_flight == 0 and finished_count(server.core, "abort") == aborted + 1
+    server.call(core.wait_idle(), timeout=30)
+    # every prompt is checked before any runs: one failed request, nothing started or counted as finished
+    assert core.in_flight == 0 and finished_count(core, "abort") == aborted
+    assert failed_count(core, "invalid") == invalid + 1 and prompt_tokens() == before
 
 
 @pytest.mark.parametrize("kw, exc, needle", [
@@ -411,6 +418,19 @@ def test_health_and_metrics(server, client):
     assert values[f"xlaserve:compiles_after_warmup_total{{{label}}}"] == 0
 
 
+def test_inter_token_latency_counts_each_sequences_gaps(server, client):
+    """n sequences of k tokens: n * (k - 1) gaps, none between tokens of different sequences."""
+    def count():
+        return server.core.metrics.registry.get_sample_value("xlaserve:inter_token_latency_seconds_count",
+                                                            {"model_name": MODEL_NAME}) or 0.0
+
+    before = count()
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=3, temperature=1.0, seed=1,
+                                  extra_body={"ignore_eos": True})
+    assert all(c.finish_reason == "length" for c in r.choices) and r.usage.completion_tokens == 15
+    assert count() - before == 3 * 4
+
+
 def test_connections_send_without_waiting_for_acks(server):
     """Nagle is off on the HTTP connections: a kept-alive connection's requests do not wait ~40 ms
     for the client's delayed ACK before a response's second write (the body after the headers,
@@ -439,6 +459,12 @@ def test_connections_send_without_waiting_for_acks(server):
 def finished_count(core, reason: str) -> float:
     v = core.metrics.registry.get_sample_value("xlaserve:request_success_total",
                                                {"model_name": MODEL_NAME, "finished_reason": reason})
+    return v or 0.0
+
+
+def failed_count(core, reason: str) -> float:
+    v = core.metrics.registry.get_sample_value("xlaserve:request_failure_total",
+                                               {"model_name": MODEL_NAME, "reason": reason})
     return v or 0.0
 
 
