@@ -18,8 +18,8 @@ CollectorRegistry (no process-global state; tests run several servers in one pro
     xlaserve:num_requests_running               gauge
     xlaserve:num_requests_waiting               gauge
     xlaserve:kv_cache_usage_perc                gauge    0..1, pages referenced by live sequences
-    xlaserve:prefix_cache_queries_total         counter  prompt tokens looked up
-    xlaserve:prefix_cache_hits_total            counter  prompt tokens found
+    xlaserve:prefix_cache_queries_total         counter  prompt tokens looked up (once a prompt)
+    xlaserve:prefix_cache_hits_total            counter  prompt tokens found (the cached_tokens)
     xlaserve:num_preemptions_total              counter
     xlaserve:engine_steps_total                 counter
     xlaserve:compiles_after_warmup_total        counter  should stay 0
