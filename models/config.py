@@ -178,9 +178,11 @@ class ModelConfig:
         if N % K:
             raise ValueError(f"config key 'num_attention_heads' is {N}; it must be a multiple of num_key_value_heads ({K})")
         head_dim = _hf_number(d, "head_dim", int, None) or D // N  # transformers' default, floored as there
-        sliding = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
-            sliding = None  # Qwen configs carry a window size that is off unless use_sliding_window
+        L = _hf_number(d, "num_hidden_layers")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # (transformers' names of the one activation the model has)
+            raise ValueError(f"config key 'hidden_act' is {act!r}; only 'silu' (SwiGLU) is supported")
+        sliding = _sliding_window(d, arch, L)
         rope_params = d.get("rope_parameters")  # transformers 5: rope_theta and the scaling in one dict
         if rope_params is not None and not isinstance(rope_params, dict):
             raise ValueError(f"config key 'rope_parameters' is {rope_params!r}; it must be an object (or null)")
@@ -193,20 +195,60 @@ class ModelConfig:
             vocab_size=_hf_number(d, "vocab_size"),
             hidden_size=D,
             intermediate_size=_hf_number(d, "intermediate_size"),
-            num_layers=_hf_number(d, "num_hidden_layers"),
+            num_layers=L,
             num_heads=N,
             num_kv_heads=K,
             head_dim=head_dim,
             rope_theta=rope_theta,
             rope_scaling=RopeScaling.from_hf(d.get(scaling_key), scaling_key),
-            rms_norm_eps=_hf_number(d, "rms_norm_eps", float, 1e-5),
-            max_position_embeddings=_hf_number(d, "max_position_embeddings", int, 4096),
+            rms_norm_eps=_hf_number(d, "rms_norm_eps", float, 1e-6),  # (transformers' default for all four)
+            max_position_embeddings=_hf_number(d, "max_position_embeddings", int, _MAX_POSITIONS[arch]),
             tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
             attention_bias=_hf_bool(d, "attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_hf_number(d, "sliding_window", int, None) if sliding else None,
+            sliding_window=sliding,
             architecture=arch,
         )
+
+
+# transformers' defaults where config.json has no max_position_embeddings
+_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
+                  "Qwen3ForCausalLM": 32768}
+
+
+def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> int | None:
+    """The attention window of every layer, or None, as transformers reads the config: Mistral's
+    `sliding_window` (default 4096; null: none); Qwen's only with `use_sliding_window`, and then on
+    the layers from `max_window_layers` (default 28) on; `layer_types` where the config lists them.
+    A model whose layers mix windowed and full attention is refused: each layer here has the same."""
+    if arch == "LlamaForCausalLM":
+        return None
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if qwen and not _hf_bool(d, "use_sliding_window", False):
+        return None
+    window = _hf_number(d, "sliding_window", int, 4096 if "sliding_window" not in d else None)
+    if window is None:
+        return None
+    types = d.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or \
+                not set(types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"config key 'layer_types' is {types!r}; it must list 'full_attention' or "
+                             f"'sliding_attention' for each of the {num_layers} layers")
+        windowed = [t == "sliding_attention" for t in types]
+    elif qwen:
+        first = d.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"config key 'max_window_layers' is {first!r}; it must be an integer >= 0")
+        windowed = [i >= first for i in range(num_layers)]
+    else:
+        windowed = [True] * num_layers
+    if all(windowed):
+        return window
+    if not any(windowed):
+        return None
+    raise ValueError(f"the config gives {sum(windowed)} of {num_layers} layers a sliding window of {window} and the "
+                     "others full attention; a model whose layers mix the two is not supported")
 
 
 SUPPORTED_ARCHITECTURES = frozenset(

@@ -29,6 +29,9 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16, tie_word_embeddings=False)),
     "qwen2_qkv_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True)),
+    # every layer from max_window_layers (0) on has the window: transformers' rule for Qwen
+    "qwen2_sliding_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)),
     "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
     "mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=1)),
@@ -62,9 +65,9 @@ def test_config_read_from_hf(pair):
     case, hf, ours = pair
     c = ours.config
     assert c.num_kv_heads == hf.config.num_key_value_heads
-    assert c.attention_bias == (case == "qwen2_qkv_bias")
+    assert c.attention_bias == case.startswith("qwen2")
     assert c.qk_norm == (case == "qwen3_qk_norm")
-    assert c.sliding_window == (16 if case == "mistral_sliding_window" else None)
+    assert c.sliding_window == (16 if case in ("mistral_sliding_window", "qwen2_sliding_window") else None)
 
 
 def test_logits_match_hf(pair):

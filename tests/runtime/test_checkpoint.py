@@ -156,6 +156,7 @@ def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
     ("hidden_size", "sixtyfour", "config key 'hidden_size' is 'sixtyfour'; it must be a positive integer"),
     ("max_position_embeddings", -5, "config key 'max_position_embeddings' is -5; it must be a positive integer"),
     ("rope_theta", 10**400, f"config key 'rope_theta' is {10**400}; it must be a positive finite number"),
+    ("hidden_act", "gelu", "config key 'hidden_act' is 'gelu'; only 'silu' (SwiGLU) is supported"),
     ("rope_scaling", "linear", "config key 'rope_scaling' is 'linear'; it must be an object (or null)"),
     ("rope_scaling", {"rope_type": "linear"}, "config key 'rope_scaling.factor' is missing; it is required"),
     ("tie_word_embeddings", "false", "config key 'tie_word_embeddings' is 'false'; it must be true or false"),
@@ -168,6 +169,32 @@ def test_bad_config_value_names_file_and_key(hf_dir, tmp_path, key, value, messa
     (d / "config.json").write_text(json.dumps(value if key is None else cfg | {key: value}))
     with pytest.raises(CheckpointError, match=re.escape(f"{d / 'config.json'}: {message}")):
         load_model(d, progress=False)
+
+
+def test_sliding_windows_and_defaults_read_as_transformers_reads_them():
+    """Qwen's window is on only with use_sliding_window, and then on the layers from
+    max_window_layers (default 28) on; layer_types, where listed, decide; a model whose layers mix
+    windowed and full attention is refused (it ran the window on every layer). Missing keys take
+    transformers' defaults."""
+    from models.config import ModelConfig
+
+    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=256)
+    qwen, mistral = dict(base, architectures=["Qwen2ForCausalLM"]), dict(base, architectures=["MistralForCausalLM"])
+    on = dict(use_sliding_window=True, sliding_window=8)
+    for cfg, window in ((qwen, None), (dict(qwen, sliding_window=8), None), (dict(qwen, **on), None),
+                        (dict(qwen, **on, max_window_layers=0), 8), (dict(qwen, **on, max_window_layers=2), None),
+                        (dict(qwen, **on, layer_types=["sliding_attention"] * 2), 8),
+                        (mistral, 4096), (dict(mistral, sliding_window=None), None), (dict(mistral, sliding_window=8), 8),
+                        (dict(mistral, sliding_window=8, layer_types=["full_attention"] * 2), None),
+                        (dict(base, sliding_window=8), None)):
+        assert ModelConfig.from_hf_config(cfg).sliding_window == window, cfg
+    for cfg in (dict(qwen, **on, max_window_layers=1),
+                dict(mistral, sliding_window=8, layer_types=["sliding_attention", "full_attention"])):
+        with pytest.raises(ValueError, match="1 of 2 layers a sliding window of 8 .* mix the two is not supported"):
+            ModelConfig.from_hf_config(cfg)
+    c = ModelConfig.from_hf_config(base)
+    assert (c.rms_norm_eps, c.max_position_embeddings) == (1e-6, 2048)
+    assert ModelConfig.from_hf_config(qwen).max_position_embeddings == 32768
 
 
 @pytest.mark.parametrize("entry, message", [
