@@ -13,7 +13,7 @@ import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -183,6 +183,35 @@ class LLM:
             engine.validate(prompt_ids, sp, request_id=rid)
             todo.append((prompt_ids, text, sp))
             tokens += len(prompt_ids)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """generate() for a conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the tokenizer's chat template (or `chat_template`, a template
+        text) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat). Each
+        output's `prompt` is the rendered text."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so chat is not available; use generate() with token ids")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        texts = [tok.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                         chat_template=chat_template, **(chat_template_kwargs or {}))
+                 for c in conversations]
+        # (the template writes BOS itself)
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params,
+                             use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def _queue(self, todo: deque, ids: list[str]) -> None:
         """Queue prompts from `todo` until the scheduler holds two steps' worth of prompt tokens or

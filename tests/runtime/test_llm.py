@@ -432,3 +432,22 @@ def test_finished_requests_leave_no_cyclic_garbage(llm):
         gc.enable()
     assert len(outs) == 4 and all(len(o.outputs) == 2 for o in outs)
     assert ours == [], f"cyclic garbage left by finished requests: {ours}"
+
+
+def test_chat_renders_each_conversation(llm):
+    """vLLM's LLM.chat: one conversation or several, rendered with a chat template (stories260K has
+    none of its own, so the call gives one), generated as the rendered text's ids would be."""
+    tok = llm.tokenizer
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} Then{% endif %}"
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    convs = [[{"role": "user", "content": PROMPTS[0]}], [{"role": "user", "content": PROMPTS[1]}]]
+    outs = llm.chat(convs, sp, chat_template=template)
+    for conv, out in zip(convs, outs):
+        text = "<s>" + conv[0]["content"] + " Then"
+        assert out.prompt == text and out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+        assert out.outputs[0].token_ids == llm.generate([out.prompt_token_ids], sp)[0].outputs[0].token_ids
+    one = llm.chat(convs[0], sp, chat_template=template, add_generation_prompt=False)
+    assert len(one) == 1 and one[0].prompt == "<s>" + PROMPTS[0]
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(convs[0], sp)
+    llm.engine.check_invariants()
