@@ -272,6 +272,20 @@ def parse_args(argv=None):
     ap.add_argument("--json-out", help="write the summaries (and the settings) here")
     ap.add_argument("--plot", help="save a PNG of latency against throughput over the rates")
     args = ap.parse_args(argv)
+    rates = args.sweep_rates.split(",") if args.sweep_rates else [args.request_rate]
+    try:
+        bad = [r for r in rates if not float(r) > 0]
+    except ValueError:
+        ap.error(f"--sweep-rates must be comma-separated numbers (or inf), got {args.sweep_rates!r}")
+    if bad:
+        ap.error(f"request rates must be > 0 (inf: all at once), got {', '.join(map(str, bad))}")
+    if not args.burstiness > 0:
+        ap.error(f"--burstiness must be > 0 (1: Poisson arrivals), got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        ap.error(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.base_url = f"{'https' if args.https else 'http'}://{args.host}:{args.port}"
     args.grpc_target = f"{args.host}:{args.grpc_port}"
     return args

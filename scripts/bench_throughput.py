@@ -37,11 +37,13 @@ sequences and its own KV pool: runtime/replicas.py); its floor is then one repli
 on the first device) times T, for the busiest replica's share of the prompts (each replica reads the whole
 weights every decode step). HF runs on one GPU whatever the mesh.
 
-HF: `LlamaForCausalLM(LlamaConfig(...same shape...))` in bf16 with random weights on the GPU,
+HF: the preset's model class of transformers (`LlamaForCausalLM(LlamaConfig(...same shape...))` for
+the Llama presets; Qwen2's, Qwen3's and Mistral's for theirs) in bf16 with random weights on the GPU,
 `generate(..., cache_implementation="static", do_sample=False)` in batches of `--hf-batch`
 prompts (SDPA attention; whatever generate itself does for a static cache, which in transformers 5
 includes compiling the decode step), warmed up by one full call on the first batch (same shapes as
-the timed calls; its time is reported as first_call_s), then timed with cuda.synchronize.
+the timed calls; its time is reported as first_call_s) and one on a last, smaller batch where
+--num-prompts is not a multiple of --hf-batch, then timed with cuda.synchronize.
 
 The two sides run one after the other, each in its own child process, so that neither holds GPU
 memory while the other runs (XLA preallocates 75% of the card by default, kept as it is). Both
@@ -257,24 +259,28 @@ def physical_floor(mc, args, copy_bytes_per_s: float, matmul_flops_per_s: float,
 def run_hf(args) -> dict:
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.config import get_preset
 
     mc = get_preset(args.model)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    hf_cfg = LlamaConfig(
+    # the preset's own family: Qwen2's q/k/v biases, Qwen3's q/k norms, Mistral's window
+    family = mc.architecture.removesuffix("ForCausalLM")
+    extra = {"sliding_window": mc.sliding_window} if family == "Mistral" else {}
+    if family == "Llama" and mc.attention_bias:
+        extra["attention_bias"] = True
+    hf_cfg = getattr(transformers, f"{family}Config")(
         vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
         head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
-        max_position_embeddings=max(mc.max_position_embeddings, args.input_len + args.output_len),
-        tie_word_embeddings=mc.tie_word_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=mc.tie_word_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, **extra,
     )
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
-        model = LlamaForCausalLM(hf_cfg)
+        model = getattr(transformers, mc.architecture)(hf_cfg)
     model = model.to(dev, torch.bfloat16).eval()
     for p in model.parameters():  # HF's init leaves some tensors constant: make every weight random
         if p.dim() > 1:
@@ -290,13 +296,16 @@ def run_hf(args) -> dict:
     B = min(args.hf_batch, args.num_prompts)
     with torch.inference_mode():
         # warm-up with the timed shapes: generate may compile the decode step for a static cache,
-        # and the cache and any compiled graph depend on batch size and max_new_tokens
-        x = runs[0][:B]
-        sync()
-        t0 = time.perf_counter()
-        model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
-        sync()
-        first_s = time.perf_counter() - t0
+        # and the cache and any compiled graph depend on batch size and max_new_tokens (a last,
+        # smaller batch is a shape of its own)
+        for b in sorted({B, args.num_prompts % B} - {0}, reverse=True):
+            x = runs[0][:b]
+            sync()
+            t0 = time.perf_counter()
+            model.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
+            sync()
+            if b == B:
+                first_s = time.perf_counter() - t0
         walls, bad = [], 0
         for ids in runs:
             t0 = time.perf_counter()
@@ -369,6 +378,18 @@ def main() -> None:
         ap.error("HF generate has no presence or frequency penalty: add --skip hf")
     if args.logprobs is not None and "hf" not in args.skip:
         ap.error("--logprobs is measured on xlaserve only: add --skip hf")
+    for name in ("num_prompts", "input_len", "output_len", "hf_batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    from models.config import get_preset
+
+    try:
+        context = get_preset(args.model).max_position_embeddings
+    except ValueError as e:
+        ap.error(str(e))
+    if args.input_len + args.output_len > context:
+        ap.error(f"--input-len + --output-len = {args.input_len + args.output_len} is more than {args.model}'s "
+                 f"context of {context}")
     if args.child:
         res = run_xla(args) if args.child == "xla" else run_hf(args)
         Path(args.child_out).write_text(json.dumps(res, indent=1))
@@ -437,6 +458,9 @@ def main() -> None:
         print(f"| physical floor ({mesh} copy {x['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
               f"{x['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) | {x['device']} | {x['floor_output_tok_s']:,.0f} | - | "
               f"{x['floor_s']:.2f} | prefill {x['floor_prefill_s']:.2f} s + decode {x['floor_decode_s']:.2f} s |")
+    if x.get("wrong_length") or h.get("wrong_length_batches"):
+        print(f"WARNING: outputs of the wrong length (xlaserve: {x.get('wrong_length')}, HF batches: "
+              f"{h.get('wrong_length_batches')}): the two sides did not generate the same tokens")
     if "ratio_output_tok_s" in result:
         print(f"ratio xlaserve / HF (output tok/s): {result['ratio_output_tok_s']:.2f}x")
     if "floor_output_tok_s" in x:

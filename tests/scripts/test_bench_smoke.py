@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' helpers, imported by the tests below
 
@@ -187,3 +189,22 @@ def test_bench_kernels_ragged_prefill_smoke():
         r = by[(ctx, "triton_interpret")]
         assert r["finite"] and r["rel_err"] < 2e-2 and _positive(r["tflops"]) and _positive(r["seconds"])
     assert "error" in by[(0, "cudnn")] and "error" in by[(0, "flash_attention")]
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_decode.py", ["--reps", "0"], "--reps must be >= 1, got 0"),
+    ("bench_decode.py", ["--batches", "1", "--steps", "2"], "--steps 2 is too few to time bursts of 8"),
+    ("bench_decode.py", ["--ctx", "64", "--steps", "8", "--max-model-len", "32"],
+     "--max-model-len 32 is less than the run needs: 96"),
+    ("bench_serving.py", ["--request-rate", "0"], "request rates must be > 0"),
+    ("bench_serving.py", ["--burstiness", "0"], "--burstiness must be > 0"),
+    ("bench_throughput.py", ["--model", "stories260k", "--input-len", "500", "--output-len", "100"],
+     "--input-len + --output-len = 600 is more than stories260k's context of 512"),
+    ("bench_throughput.py", ["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+])
+def test_bench_scripts_refuse_settings_they_cannot_run(script, args, message):
+    """Each used to fail later with a traceback (StopIteration, ZeroDivisionError, a broadcast
+    error deep in the engine) or, for bench_throughput's context, to run HF past the model's."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and message in p.stderr.splitlines()[-1], p.stderr
