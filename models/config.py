@@ -117,6 +117,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # each token sees this many KV positions, itself included (Mistral)
+    # the layers (indices) that have sliding_window; None: every layer (Qwen's max_window_layers, HF's layer_types)
+    sliding_window_layers: tuple[int, ...] | None = None
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
@@ -139,6 +141,20 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        layers = self.sliding_window_layers
+        if layers is not None:
+            layers = tuple(layers)  # (a list from a JSON config)
+            object.__setattr__(self, "sliding_window_layers", layers)
+            if self.sliding_window is None or not layers or list(layers) != sorted(set(layers)) or not all(
+                    isinstance(i, int) and 0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"sliding_window_layers must be increasing layer indices in [0, {self.num_layers}), "
+                                 f"with sliding_window set; got {layers!r}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full attention)."""
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     @cached_property
     def q_per_kv(self) -> int:
@@ -182,7 +198,7 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # (transformers' names of the one activation the model has)
             raise ValueError(f"config key 'hidden_act' is {act!r}; only 'silu' (SwiGLU) is supported")
-        sliding = _sliding_window(d, arch, L)
+        sliding, sliding_layers = _sliding_window(d, arch, L)
         rope_params = d.get("rope_parameters")  # transformers 5: rope_theta and the scaling in one dict
         if rope_params is not None and not isinstance(rope_params, dict):
             raise ValueError(f"config key 'rope_parameters' is {rope_params!r}; it must be an object (or null)")
@@ -207,6 +223,7 @@ class ModelConfig:
             attention_bias=_hf_bool(d, "attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
+            sliding_window_layers=sliding_layers,
             architecture=arch,
         )
 
@@ -216,19 +233,18 @@ _MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qw
                   "Qwen3ForCausalLM": 32768}
 
 
-def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> int | None:
-    """The attention window of every layer, or None, as transformers reads the config: Mistral's
+def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers that have it; None: all), as transformers reads the config: Mistral's
     `sliding_window` (default 4096; null: none); Qwen's only with `use_sliding_window`, and then on
-    the layers from `max_window_layers` (default 28) on; `layer_types` where the config lists them.
-    A model whose layers mix windowed and full attention is refused: each layer here has the same."""
+    the layers from `max_window_layers` (default 28) on; `layer_types` where the config lists them."""
     if arch == "LlamaForCausalLM":
-        return None
+        return None, None
     qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
     if qwen and not _hf_bool(d, "use_sliding_window", False):
-        return None
+        return None, None
     window = _hf_number(d, "sliding_window", int, 4096 if "sliding_window" not in d else None)
     if window is None:
-        return None
+        return None, None
     types = d.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers or \
@@ -244,11 +260,10 @@ def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> int | None
     else:
         windowed = [True] * num_layers
     if all(windowed):
-        return window
+        return window, None
     if not any(windowed):
-        return None
-    raise ValueError(f"the config gives {sum(windowed)} of {num_layers} layers a sliding window of {window} and the "
-                     "others full attention; a model whose layers mix the two is not supported")
+        return None, None
+    return window, tuple(i for i, w in enumerate(windowed) if w)
 
 
 SUPPORTED_ARCHITECTURES = frozenset(

@@ -71,9 +71,10 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str, dtype,
-                 param_dtype, rngs: nnx.Rngs):
+                 param_dtype, rngs: nnx.Rngs, window: int | None):
         D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.cfg, self.attn_impl, self.gemm_impl, self.dtype = cfg, attn_impl, gemm_impl, dtype
+        self.window = window  # this layer's sliding window (ModelConfig.window_of), None: full attention
         self.head_mesh = head_mesh  # sharding.rules.head_parallel_mesh: write + attention per tensor shard
         # q, k and v as one [D, K', R'+2, H] matrix: per stored KV head, its R' query heads, then k,
         # then v (qkv_layout). One GEMM, no per-step concatenation of three weights.
@@ -118,7 +119,7 @@ class Attention(nnx.Module):
             # RoPE, the KV write and the attention: on GPU two launches, one for decode-only steps
             return dispatch.write_qkv_attention(
                 kv_pages, qkv, cos, sin, *meta, sm_scale=self.cfg.head_dim**-0.5, decode_only=decode_only,
-                sliding_window=self.cfg.sliding_window, implementation=self.attn_impl)
+                sliding_window=self.window, implementation=self.attn_impl)
 
         if self.head_mesh is not None:
             run = shard_over_heads(run, self.head_mesh)
@@ -145,12 +146,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str, dtype,
-                 param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, kv_repeat: int, attn_impl: str, head_mesh, gemm_impl: str,
+                 dtype, param_dtype, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl,
-                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs, window=cfg.window_of(layer))
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(cfg, gemm_impl=gemm_impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -185,9 +186,9 @@ class LlamaModel(nnx.Module):
         self.cfg, self.dtype, self.gemm_impl = cfg, dtype, gemm_impl
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List(
-            DecoderLayer(cfg, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl,
+            DecoderLayer(cfg, i, kv_repeat=kv_repeat, attn_impl=attn_impl, head_mesh=head_mesh, gemm_impl=gemm_impl,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            for _ in range(cfg.num_layers)
+            for i in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:

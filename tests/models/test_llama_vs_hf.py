@@ -32,6 +32,9 @@ CASES = {
     # every layer from max_window_layers (0) on has the window: transformers' rule for Qwen
     "qwen2_sliding_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)),
+    # the window on the second layer only (layers from max_window_layers on)
+    "qwen3_window_on_layer_1": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
     "mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=1)),
@@ -66,8 +69,10 @@ def test_config_read_from_hf(pair):
     c = ours.config
     assert c.num_kv_heads == hf.config.num_key_value_heads
     assert c.attention_bias == case.startswith("qwen2")
-    assert c.qk_norm == (case == "qwen3_qk_norm")
-    assert c.sliding_window == (16 if case in ("mistral_sliding_window", "qwen2_sliding_window") else None)
+    assert c.qk_norm == case.startswith("qwen3")
+    windowed = ("mistral_sliding_window", "qwen2_sliding_window", "qwen3_window_on_layer_1")
+    assert c.sliding_window == (16 if case in windowed else None)
+    assert c.sliding_window_layers == ((1,) if case == "qwen3_window_on_layer_1" else None)
 
 
 def test_logits_match_hf(pair):

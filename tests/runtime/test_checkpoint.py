@@ -173,25 +173,30 @@ def test_bad_config_value_names_file_and_key(hf_dir, tmp_path, key, value, messa
 
 def test_sliding_windows_and_defaults_read_as_transformers_reads_them():
     """Qwen's window is on only with use_sliding_window, and then on the layers from
-    max_window_layers (default 28) on; layer_types, where listed, decide; a model whose layers mix
-    windowed and full attention is refused (it ran the window on every layer). Missing keys take
-    transformers' defaults."""
+    max_window_layers (default 28) on; layer_types, where listed, decide (it ran the window on every
+    layer). Missing keys take transformers' defaults."""
     from models.config import ModelConfig
 
-    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=256)
+    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=3, vocab_size=256)
     qwen, mistral = dict(base, architectures=["Qwen2ForCausalLM"]), dict(base, architectures=["MistralForCausalLM"])
     on = dict(use_sliding_window=True, sliding_window=8)
-    for cfg, window in ((qwen, None), (dict(qwen, sliding_window=8), None), (dict(qwen, **on), None),
-                        (dict(qwen, **on, max_window_layers=0), 8), (dict(qwen, **on, max_window_layers=2), None),
-                        (dict(qwen, **on, layer_types=["sliding_attention"] * 2), 8),
-                        (mistral, 4096), (dict(mistral, sliding_window=None), None), (dict(mistral, sliding_window=8), 8),
-                        (dict(mistral, sliding_window=8, layer_types=["full_attention"] * 2), None),
-                        (dict(base, sliding_window=8), None)):
-        assert ModelConfig.from_hf_config(cfg).sliding_window == window, cfg
-    for cfg in (dict(qwen, **on, max_window_layers=1),
-                dict(mistral, sliding_window=8, layer_types=["sliding_attention", "full_attention"])):
-        with pytest.raises(ValueError, match="1 of 2 layers a sliding window of 8 .* mix the two is not supported"):
-            ModelConfig.from_hf_config(cfg)
+    for cfg, window, layers in (
+            (qwen, None, None), (dict(qwen, sliding_window=8), None, None), (dict(qwen, **on), None, None),
+            (dict(qwen, **on, max_window_layers=0), 8, None), (dict(qwen, **on, max_window_layers=3), None, None),
+            (dict(qwen, **on, max_window_layers=1), 8, (1, 2)),
+            (dict(qwen, **on, layer_types=["sliding_attention"] * 3), 8, None),
+            (mistral, 4096, None), (dict(mistral, sliding_window=None), None, None), (dict(mistral, sliding_window=8), 8, None),
+            (dict(mistral, sliding_window=8, layer_types=["full_attention"] * 3), None, None),
+            (dict(mistral, sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+             8, (0, 2)),
+            (dict(base, sliding_window=8), None, None)):
+        c = ModelConfig.from_hf_config(cfg)
+        assert (c.sliding_window, c.sliding_window_layers) == (window, layers), cfg
+        assert [c.window_of(i) for i in range(3)] == [window if layers is None or i in layers else None for i in range(3)]
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_config(dict(mistral, layer_types=["sliding_attention"]))
+    with pytest.raises(ValueError, match="sliding_window_layers must be increasing layer indices"):
+        ModelConfig.from_hf_config(base).replace(sliding_window=8, sliding_window_layers=(2, 1))
     c = ModelConfig.from_hf_config(base)
     assert (c.rms_norm_eps, c.max_position_embeddings) == (1e-6, 2048)
     assert ModelConfig.from_hf_config(qwen).max_position_embeddings == 32768
