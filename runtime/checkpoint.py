@@ -321,6 +321,8 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
 def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
     import orbax.checkpoint as ocp
 
+    from runtime.gguf_tokenizer import is_gguf_file
+
     ckptr = ocp.StandardCheckpointer()  # writes on background threads
     try:
         ckptr.save(dst / ORBAX_STATE, _map_qkv(loaded.params, unrepeat_qkv, loaded.kv_repeat))
@@ -340,18 +342,13 @@ def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
                 if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json",)):
                     shutil.copy2(f, tdir / f.name)
             meta["tokenizer"] = "tokenizer"
-        elif _is_gguf(Path(tok)):  # the source model itself: referenced, not copied (GGUF files are large)
+        elif is_gguf_file(tok):  # the source model itself: referenced, not copied (GGUF files are large)
             meta["tokenizer"] = str(Path(tok).absolute())
         else:  # a small file (llama2.c's .bin, a .model): copied, so the checkpoint stands alone
             (dst / "tokenizer").mkdir()
             shutil.copy2(tok, dst / "tokenizer" / Path(tok).name)
             meta["tokenizer"] = f"tokenizer/{Path(tok).name}"
     (dst / ORBAX_CONFIG).write_text(json.dumps(meta, indent=2))
-
-
-def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return path.suffix == ".gguf" or f.read(4) == b"GGUF"
 
 
 def _settle(ckptr) -> None:

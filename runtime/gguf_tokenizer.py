@@ -26,6 +26,13 @@ from gguf.constants import GGUF_MAGIC, GGUFValueType, TokenType
 
 logger = logging.getLogger(__name__)
 
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """A `.gguf` path, or a file that starts with GGUF's magic."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        return p.suffix == ".gguf" or f.read(4) == b"GGUF"
+
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "B",
     GGUFValueType.INT8: "b",

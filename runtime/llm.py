@@ -203,13 +203,11 @@ class LLM:
         if tok is None:
             raise ValueError("this model has no tokenizer, so chat is not available; use generate() with token ids")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        texts = [tok.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
-                                         chat_template=chat_template, **(chat_template_kwargs or {}))
-                 for c in conversations]
-        # (the template writes BOS itself)
-        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params,
-                             use_tqdm=use_tqdm)
-        for out, text in zip(outs, texts):
+        prompts = [tok.chat_prompt(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                   chat_template=chat_template, **(chat_template_kwargs or {}))
+                   for c in conversations]
+        outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, prompts):
             out.prompt = text
         return outs
 

@@ -88,8 +88,8 @@ class PrefixCache:
         return n
 
     def lookup(self, hashes: Sequence[bytes], num_tokens: int, *, count: bool = True) -> list[int]:
-        """match(), counted in the hit/query statistics unless `count` is false (a request admitted
-        again after preemption: its prompt counted once). The caller must incref the pages before
+        """match(), counted in the hit/query statistics unless `count` is false (the scheduler counts
+        each prompt once, with record, at its first admission). The caller must incref the pages before
         allocating anything, or an eviction may hand one of them out."""
         pages = self.match(hashes, num_tokens)
         if count:

@@ -602,8 +602,7 @@ class Scheduler:
                 if available < need_total:
                     break
             if self.prefix_cache is not None and not req.pages:
-                # same pages, now counted (a prompt once: not again after a preemption)
-                hits = self.prefix_cache.lookup(req.page_hashes, req.num_tokens, count=not req.admitted_once)
+                hits = self.prefix_cache.lookup(req.page_hashes, req.num_tokens, count=False)  # (counted below)
                 self.allocator.incref(hits)
                 req.pages = list(hits)
                 req.num_computed_tokens = start
@@ -614,8 +613,8 @@ class Scheduler:
             if not req.admitted_once:
                 req.admitted_once = True
                 req.num_cached_tokens = start
-                if fork and self.prefix_cache is not None:  # its parent's pages: a hit, as lookup counts them
-                    self.prefix_cache.record(req.num_tokens, start)
+                if self.prefix_cache is not None:  # each prompt once (not again after a preemption); a
+                    self.prefix_cache.record(req.num_tokens, start)  # fork's shared pages are hits too
             self._waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.slot = heapq.heappop(self._free_slots)

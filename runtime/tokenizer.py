@@ -34,7 +34,7 @@ from runtime.detokenizer import (
     StripMode,
     byte_fallback_value,
 )
-from runtime.gguf_tokenizer import load_gguf_tokenizer
+from runtime.gguf_tokenizer import is_gguf_file, load_gguf_tokenizer
 
 # End-of-turn tokens that stop generation when the vocabulary has them as special tokens, beside
 # the configured EOS (Llama 3 ends a turn with <|eot_id|> but declares <|end_of_text|> as EOS).
@@ -241,6 +241,13 @@ class Tokenizer:
         text = compile_chat_template(chat_template).render(**context)
         return _cut_after_final_message(text, messages) if continue_final_message else text
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **options: Any) -> tuple[str, list[int]]:
+        """apply_chat_template's text (same arguments) and its ids, encoded without special tokens:
+        the template writes BOS and the like itself."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **options)
+        return text, self.encode(text, add_special_tokens=False)
+
     # --- constructors -------------------------------------------------------------------------
 
     @classmethod
@@ -378,9 +385,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer path {p} does not exist")
     if p.name == "tokenizer.json":
         return Tokenizer.from_pretrained_dir(p.parent)
-    with open(p, "rb") as f:
-        magic = f.read(4)
-    if p.suffix == ".gguf" or magic == b"GGUF":
+    if is_gguf_file(p):
         return Tokenizer.from_gguf(p)
     if p.suffix == ".model":
         return Tokenizer.from_sentencepiece(p)

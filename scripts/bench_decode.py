@@ -413,11 +413,12 @@ def main() -> None:
     if min(args.batches) < 1:
         ap.error(f"--batches must be >= 1, got {args.batches}")
     # the burst loop decodes 4 x --steps tokens (its own engine); the step loop --steps
-    need = args.ctx + (4 if 1 in args.batches and args.decode_steps > 1 and not args.no_engine else 1) * args.steps
+    bursts = 1 in args.batches and args.decode_steps > 1 and not args.no_engine
+    need = args.ctx + (4 if bursts else 1) * args.steps
     if args.max_model_len is not None and args.max_model_len < need:
         ap.error(f"--max-model-len {args.max_model_len} is less than the run needs: {need} (--ctx + --steps, x 4 for "
                  "the burst loop); leave it out for just enough")
-    if 1 in args.batches and args.decode_steps > 1 and not args.no_engine and 4 * args.steps < 3 * args.decode_steps + 2:
+    if bursts and 4 * args.steps < 3 * args.decode_steps + 2:
         ap.error(f"--steps {args.steps} is too few to time bursts of {args.decode_steps}: the burst loop decodes 4 x "
                  f"--steps tokens and times them from its second burst on (at least {-(-(3 * args.decode_steps + 2) // 4)})")
     if args.child:

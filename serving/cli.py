@@ -184,8 +184,7 @@ def cmd_generate(args) -> int:
             raise ValueError(f"{loaded.source} has no tokenizer; pass --prompt-ids")
         text = args.prompt if args.prompt is not None else "What is the capital of France?"
         if args.chat or args.prompt is None:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            prompt_ids = tok.encode(text, add_special_tokens=False)
+            _, prompt_ids = tok.chat_prompt([{"role": "user", "content": text}])
         else:
             prompt_ids = tok.encode(text)
     bad = [i for i in prompt_ids if not 0 <= i < loaded.config.vocab_size]

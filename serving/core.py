@@ -52,10 +52,6 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
-# names the chat template's context holds already: a client's chat_template_kwargs may not replace them
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template",
-                                      "tools", "documents", "bos_token", "eos_token", "unk_token", "pad_token"})
-
 
 @dataclass
 class GenerationSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.request import MAX_LOGIT_BIAS, SamplingParams, is_finite
-from serving.core import RESERVED_TEMPLATE_KWARGS, ChatOptions
+from serving.core import ChatOptions
 from serving.errors import InvalidRequest, NotFound
 
 _MISSING = object()
@@ -44,6 +44,12 @@ _VLLM_UNSUPPORTED = {"prompt_logprobs": (None,), "allowed_token_ids": (None,), "
                      "truncate_prompt_tokens": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
                      "detokenize": (None, True), "return_tokens_as_token_ids": (None, False),
                      "spaces_between_special_tokens": (None, True), "logits_processors": (None,)}
+
+
+# names the chat template's context holds already (Tokenizer.apply_chat_template): a client's
+# chat_template_kwargs may not replace them
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                                       "tools", "documents", "bos_token", "eos_token", "unk_token", "pad_token"})
 
 
 # -- field readers -------------------------------------------------------------------------------
@@ -285,7 +291,7 @@ def parse_chat_options(body: dict) -> ChatOptions:
         kwargs = {}
     if not isinstance(kwargs, dict):
         raise InvalidRequest(f"chat_template_kwargs must be an object, got {kwargs!r}", param="chat_template_kwargs")
-    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    taken = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if taken:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields)",
                              param="chat_template_kwargs")
