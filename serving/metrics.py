@@ -7,7 +7,7 @@ CollectorRegistry (no process-global state; tests run several servers in one pro
 
     xlaserve:time_to_first_token_seconds        histogram  arrival -> first token
     xlaserve:inter_token_latency_seconds        histogram  every gap between tokens of a sequence
-    xlaserve:time_per_output_token_seconds      histogram  per request: (e2e - ttft) / (tokens - 1)
+    xlaserve:request_time_per_output_token_seconds  histogram  per request: (e2e - ttft) / (tokens - 1)
     xlaserve:e2e_request_latency_seconds        histogram  arrival -> last token
     xlaserve:request_prompt_tokens              histogram
     xlaserve:request_generation_tokens          histogram
@@ -23,7 +23,9 @@ CollectorRegistry (no process-global state; tests run several servers in one pro
     xlaserve:num_preemptions_total              counter
     xlaserve:engine_steps_total                 counter
     xlaserve:compiles_after_warmup_total        counter  should stay 0
-Every series carries a `model_name` label.
+Every series carries a `model_name` label. The per-request TPOT is named as vLLM names it since it
+deprecated `vllm:time_per_output_token_seconds`, which it now reports per token, as the inter-token
+latency.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class ServingMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("xlaserve:inter_token_latency_seconds", "Time between consecutive tokens.", lab,
                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("xlaserve:time_per_output_token_seconds",
+        self.tpot = Histogram("xlaserve:request_time_per_output_token_seconds",
                               "Per request: mean time per output token after the first.", lab,
                               buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("xlaserve:e2e_request_latency_seconds", "End-to-end request latency.", lab,

@@ -406,7 +406,7 @@ def test_health_and_metrics(server, client):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=100_000, temperature=0)
     text = httpx.get(server.http_url + "/metrics").text
     label = f'model_name="{MODEL_NAME}"'
-    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+    for name in ("time_to_first_token_seconds_count", "request_time_per_output_token_seconds_count",
                  "e2e_request_latency_seconds_count", "inter_token_latency_seconds_count", "prompt_tokens_total",
                  "generation_tokens_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total"):
