@@ -632,21 +632,24 @@ def frozen_heap(*, collect: bool = False):
 
 
 def _cut_at_stop(seq: _Seq, new_from: int) -> str | None:
-    """The stop string that ends earliest in seq.text[new_from:], after cutting the text where it
-    starts (where it ends with include_stop_str_in_output); None when there is none, or before
-    min_tokens tokens (as in vLLM)."""
+    """The stop string that ends earliest in seq.text[new_from:] (of those ending at one place, the
+    longest), after cutting the text where it starts (where it ends with
+    include_stop_str_in_output); None when there is none, or before min_tokens tokens (as in vLLM).
+    The earliest end is what text arriving a character at a time would meet first, so the choice
+    does not depend on how many characters one token brings."""
     params = seq.group.params
     if not params.stop or len(seq.output_ids) <= params.min_tokens:
         return None
-    best = None
+    best = None  # (end, start, stop)
     for s in params.stop:
         i = seq.text.find(s, max(0, new_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
+        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+            best = (i + len(s), i, s)
     if best is None:
         return None
-    seq.text = seq.text[: best[0] + (len(best[1]) if params.include_stop_str_in_output else 0)]
-    return best[1]
+    end, start, stop = best
+    seq.text = seq.text[: end if params.include_stop_str_in_output else start]
+    return stop
 
 
 def _kv_dtype(model: LoadedModel, config: EngineConfig):

@@ -141,6 +141,27 @@ def test_the_text_ends_before_what_stopped_it(llm):
     engine.check_invariants()
 
 
+def test_the_stop_string_that_ends_first_wins_however_the_text_was_tokenized(llm):
+    """Two stop strings completed by one token: the one a character-at-a-time stream would meet
+    first (the earliest end) cuts the text, whichever is listed first and wherever each starts."""
+    tok = llm.tokenizer
+    prompt_ids = tok.encode(PROMPTS[0])
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+
+    def text_of(k):  # the output text of the first k tokens
+        return tok.decode(prompt_ids + base.token_ids[:k])[len(tok.decode(prompt_ids)):]
+
+    word = " little"
+    cut = base.text.index(word)
+    k = next(k for k in range(1, 41) if len(text_of(k)) > cut)
+    assert text_of(k - 1) == base.text[:cut] and text_of(k).startswith(base.text[:cut] + word)  # one token
+    for stop in (["lit", word], [word, "lit"]):
+        c = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                    stop=stop))[0].outputs[0]
+        assert (c.text, c.finish_reason, c.stop_reason) == (base.text[: cut + 1], "stop", "lit"), stop
+    llm.engine.check_invariants()
+
+
 def test_the_final_flush_is_checked_against_stop_strings(llm):
     """An incomplete character at the end becomes U+FFFD only when the sequence ends; a stop string
     in that last text cuts it as anywhere else."""
