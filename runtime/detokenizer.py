@@ -99,6 +99,10 @@ class PieceTable:
     literal_ids: frozenset[int]  # byte-fallback/unknown pieces: a leading space is real text
     strip: StripMode
     invalid: InvalidBytes
+    # A skipped special token between two byte-fallback pieces ends the byte run: SentencePiece
+    # decodes piece by piece (<0xC2> <s> <0x80> is two invalid bytes there). HF tokenizers and
+    # llama.cpp drop the special token first, so the run goes on (U+0080).
+    special_breaks_bytes: bool = False
 
     @property
     def size(self) -> int:
@@ -132,12 +136,6 @@ class PieceTable:
         if self.invalid is InvalidBytes.REPLACE:
             return data.decode("utf-8", "replace")
         return unescape_invalid(data.decode("utf-8", "surrogateescape"))
-
-    @property
-    def special_breaks_bytes(self) -> bool:
-        """SentencePiece decodes byte-fallback runs piece by piece: a skipped control token between
-        two byte pieces ends the run (<0xC2> <s> <0x80> is two invalid bytes, not U+0080)."""
-        return self.invalid is InvalidBytes.PER_BYTE
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()

@@ -263,7 +263,8 @@ class Tokenizer:
         if (d / "tokenizer.json").is_file():
             parts = _hf_json_parts(d / "tokenizer.json", {**special_map, **cfg})
         elif (d / "tokenizer.model").is_file():
-            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg))
+            # decoded as transformers' (fast) tokenizer built from it does
+            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False)
         else:
             raise FileNotFoundError(f"{d} has neither tokenizer.json nor tokenizer.model")
 
@@ -305,7 +306,7 @@ class Tokenizer:
     @classmethod
     def from_sentencepiece(cls, path: str | os.PathLike, *, add_bos: bool = True) -> Tokenizer:
         """A bare SentencePiece `.model`; BOS/EOS/unknown come from the model's trainer spec."""
-        parts = _sentencepiece_parts(Path(path), {})
+        parts = _sentencepiece_parts(Path(path), {}, special_breaks_bytes=True)
         return cls(
             encoder=parts.encoder,
             table=parts.table,
@@ -323,7 +324,7 @@ class Tokenizer:
         """The tokenizer in a GGUF file's metadata (runtime/gguf_tokenizer.py)."""
         g = load_gguf_tokenizer(path)
         if g.sentencepiece_proto is not None:
-            parts = _sentencepiece_parts_from_proto(g.sentencepiece_proto, str(path), {})
+            parts = _sentencepiece_parts_from_proto(g.sentencepiece_proto, str(path), {}, special_breaks_bytes=False)
         else:
             control = {i for i, t in enumerate(g.token_types) if t == TokenType.CONTROL}
             parts = _hf_parts(g.hf_tokenizer, str(path), decoder={"type": "ByteLevel"}, special=control)
@@ -360,6 +361,7 @@ class Tokenizer:
             literal_ids=frozenset(literal | {0}),
             strip=StripMode.FIRST_PIECE,
             invalid=InvalidBytes.PER_BYTE,
+            special_breaks_bytes=True,  # a SentencePiece model's vocabulary, decoded by its rules
         )
         return cls(
             encoder=_Llama2cEncoder(pieces, scores),
@@ -447,13 +449,17 @@ class _SentencePieceEncoder:
         return ids
 
 
-def _sentencepiece_parts(path: Path, added: Mapping[int, tuple[str, bool]]) -> _Parts:
+def _sentencepiece_parts(path: Path, added: Mapping[int, tuple[str, bool]], *, special_breaks_bytes: bool) -> _Parts:
     if not path.is_file():
         raise FileNotFoundError(f"SentencePiece model {path} does not exist")
-    return _sentencepiece_parts_from_proto(path.read_bytes(), str(path), added)
+    return _sentencepiece_parts_from_proto(path.read_bytes(), str(path), added,
+                                           special_breaks_bytes=special_breaks_bytes)
 
 
-def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, tuple[str, bool]]) -> _Parts:
+def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, tuple[str, bool]], *,
+                                    special_breaks_bytes: bool) -> _Parts:
+    """special_breaks_bytes (PieceTable's): decode as sentencepiece does (a bare .model), or as HF
+    tokenizers and llama.cpp do (a model folder's tokenizer.model, a GGUF's vocabulary)."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
@@ -511,6 +517,7 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
             literal_ids=frozenset(literal_ids),
             strip=StripMode.FIRST_PIECE if strips else StripMode.NONE,
             invalid=InvalidBytes.PER_BYTE,
+            special_breaks_bytes=special_breaks_bytes,
         ),
         pieces,
         bos_id=opt(sp.bos_id()),

@@ -532,6 +532,29 @@ def test_pretrained_dir_llama_style_tokenizer_json(tmp_path, transformers_mod):
         assert "".join(_stream(ours, ids, [1] * len(ids), True)) == ours.decode(ids)
 
 
+def test_a_skipped_special_token_inside_a_byte_run(tmp_path, transformers_mod):
+    """SentencePiece ends a byte-fallback run at a skipped control token (<0xC3> </s> <0xA9> is two
+    invalid bytes); HF tokenizers (a tokenizer.json) and llama.cpp (a GGUF) drop the token first,
+    so the run goes on to "é". Streamed, the same."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.model").symlink_to(_llama2_model_path())
+    transformers_mod.LlamaTokenizer.from_pretrained(src).save_pretrained(tmp_path / "out")
+    hf = transformers_mod.AutoTokenizer.from_pretrained(tmp_path / "out")
+    cases = {".model": (_llama2(), "\ufffd\ufffd"), "gguf": (_ggml_tokenizer("llama-spm"), "é"),
+             "tokenizer.json": (Tokenizer.from_pretrained_dir(tmp_path / "out"), "é")}
+    for name, (tok, want) in cases.items():
+        ids = [tok.piece_to_id("<0xC3>"), tok.eos_id, tok.piece_to_id("<0xA9>")]
+        assert tok.decode(ids) == want, name
+        for cuts in ([1, 1], [2], [1]):
+            assert "".join(_stream(tok, ids, cuts, True)) == want, (name, cuts)
+        assert tok.decode(ids, skip_special_tokens=False) == "\ufffd</s>\ufffd", name
+        if name == ".model":
+            assert _llama2_sp().decode(ids) == want
+        elif name == "tokenizer.json":
+            assert hf.decode(ids, skip_special_tokens=True) == want
+
+
 def test_pretrained_dir_sentencepiece_with_config(tmp_path):
     (tmp_path / "tokenizer.model").symlink_to(_llama2_model_path())
     (tmp_path / "tokenizer_config.json").write_text(
