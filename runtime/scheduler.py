@@ -613,8 +613,10 @@ class Scheduler:
             if not req.admitted_once:
                 req.admitted_once = True
                 req.num_cached_tokens = start
-                if self.prefix_cache is not None:  # each prompt once (not again after a preemption); a
-                    self.prefix_cache.record(req.num_tokens, start)  # fork's shared pages are hits too
+                # Each prompt counts once: not again after a preemption, nor for its forks (n > 1),
+                # which share its pages; so the hits are the responses' cached_tokens.
+                if self.prefix_cache is not None and req.parent_id is None:
+                    self.prefix_cache.record(req.num_tokens, start)
             self._waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.slot = heapq.heappop(self._free_slots)

@@ -641,6 +641,20 @@ def test_prefix_cache_cuts_prefill_on_shared_prefix(engine):
     assert 1 - computed / prompt >= 0.85, f"computed {computed} of {prompt} prompt tokens"
 
 
+def test_a_prompt_with_n_sequences_counts_once_in_the_prefix_cache_stats(engine):
+    """n > 1: the forks share the prompt's pages; the stats count the prompt once, so the hits are
+    the response's cached_tokens, cold (none) and warm (every full page)."""
+    G = engine.config.page_size
+    prompt = np.random.default_rng().integers(3, VOCAB, 6 * G + 4).tolist()
+    for rid, cached in (("cold", 0), ("warm", 6 * G)):
+        before = engine.stats()
+        out = run_workload(engine, [(rid, prompt, SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=2))])[rid]
+        after = engine.stats()
+        assert len(out.outputs) == 3 and out.num_cached_tokens == cached
+        assert after.prefix_cache_query_tokens - before.prefix_cache_query_tokens == len(prompt)
+        assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == cached
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 @pytest.mark.parametrize("replica,tensor", [(1, 2), (2, 1)])
 def test_mesh_equals_single_device(workload, alone, replica, tensor):

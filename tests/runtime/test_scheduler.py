@@ -474,8 +474,8 @@ def test_random_workload_invariants_and_exactness(
     event(f"forked: {any(r.parent_id for r in h.reqs.values())}")
     event(f"cut short: {bool(cut)}")
     event(f"bursts: {any(p.num_steps > 1 for p in h.plans)}")
-    if caching:  # each admitted prompt counts once (not again after a preemption), forks' shared pages as hits
-        admitted = [r for r in h.reqs.values() if r.admitted_once]
+    if caching:  # each admitted prompt counts once (not again after a preemption, nor for its forks)
+        admitted = [r for r in h.reqs.values() if r.admitted_once and r.parent_id is None]
         assert stats.prefix_cache_query_tokens == sum(r.num_prompt_tokens for r in admitted)
         assert stats.prefix_cache_hit_tokens == sum(r.num_cached_tokens for r in admitted)
     for rid, r in h.reqs.items():
