@@ -308,6 +308,10 @@ class ServingCore:
             raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens + max_tokens {params.max_tokens} = "
                                  f"{num_prompt_tokens + params.max_tokens} tokens; max_model_len is {L}",
                                  param="max_tokens", code="context_length_exceeded")
+        if params.max_tokens is None and params.min_tokens > L - num_prompt_tokens:
+            raise InvalidRequest(f"min_tokens {params.min_tokens} is more than the {L - num_prompt_tokens} tokens the "
+                                 f"request can generate (max_model_len {L} - prompt {num_prompt_tokens})",
+                                 param="min_tokens", code="context_length_exceeded")
         V = info.vocab_size
         for what, param, ids in (("stop token id", "stop_token_ids", params.stop_token_ids),
                                  ("logit_bias token id", "logit_bias", params.logit_bias or ())):

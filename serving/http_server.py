@@ -22,6 +22,7 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -35,6 +36,7 @@ from serving.openai_protocol import (
     ParsedRequest,
     TokenText,
     chat_logprobs,
+    chat_messages,
     check_model,
     completion_logprobs,
     new_rows,
@@ -58,9 +60,8 @@ def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None) -> Starl
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
     ]
-    handlers = {ServingError: _serving_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
-                Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    handlers = {ServingError: _serving_error, HTTPException: _http_error, ClientDisconnect: _client_gone}
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(_InternalErrors)])
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -75,13 +76,36 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
     msg = f"{request.method} {request.url.path}: {exc.detail}"
     return JSONResponse({"error": {"message": msg, "type": kind, "param": None, "code": None}},
-                        status_code=exc.status_code)
+                        status_code=exc.status_code, headers=exc.headers)  # (a 405's Allow)
 
 
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s", request.url.path)
-    return JSONResponse({"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
-                                   "code": None}}, status_code=500)
+class _InternalErrors:
+    """An unexpected error's 500, answered as any other response. Starlette's own handler for
+    Exception runs in its outermost middleware, which re-raises after answering; uvicorn then
+    closes the connection, and a request the client has already sent on it gets no answer."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as exc:
+            if started:  # a response cut short: closing the connection is all that is left
+                raise
+            logger.exception("unhandled error on %s", scope.get("path"))
+            response = JSONResponse({"error": {"message": f"internal error: {exc!r}", "type": "server_error",
+                                               "param": None, "code": None}}, status_code=500)
+            await response(scope, receive, send)
 
 
 class _Api:
@@ -160,10 +184,12 @@ class _Api:
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise InvalidRequest("add_special_tokens must be true or false", param="add_special_tokens")
-        if isinstance(body.get("prompt"), str):
+        if body.get("prompt") is not None:
+            if not isinstance(body["prompt"], str):
+                raise InvalidRequest(f"prompt must be a string, got {type(body['prompt']).__name__}", param="prompt")
             ids = await self.core.tokenize(text=body["prompt"], add_special_tokens=add_special)
-        elif "messages" in body:
-            ids = await self.core.tokenize(messages=body["messages"], chat=parse_chat_options(body))
+        elif body.get("messages") is not None:
+            ids = await self.core.tokenize(messages=chat_messages(body), chat=parse_chat_options(body))
         else:
             raise InvalidRequest("give prompt (a string) or messages", param="prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.core.model_info.max_model_len})

@@ -214,8 +214,9 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
             include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
             logit_bias=logit_bias,
         )
-    except ValueError as e:  # SamplingParams' own cross-field checks (min_tokens <= max_tokens, ...)
-        raise InvalidRequest(str(e)) from None
+    except ValueError as e:  # SamplingParams' own checks (min_tokens <= max_tokens, float32's range, ...)
+        name = str(e).split(" ", 1)[0]  # (its messages start with the field's name)
+        raise InvalidRequest(str(e), param=name if name in body else None) from None
     priority = _integer(body, "priority", 0, lo=-(2**31), hi=2**31 - 1)
     cache_salt = _string(body, "cache_salt", None)
     return params, priority, cache_salt
@@ -261,9 +262,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     _refuse(body, "audio")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_opts(body, stream)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    messages = chat_messages(body)
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, lo=1)
@@ -274,6 +273,14 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
     return ParsedRequest("chat", params, stream, include_usage, messages=messages, priority=priority,
                          cache_salt=salt, chat_logprobs=want, chat=parse_chat_options(body))
+
+
+def chat_messages(body: dict) -> list:
+    """The request's messages: a non-empty list (each message is checked where it is rendered)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    return messages
 
 
 def parse_chat_options(body: dict) -> ChatOptions:

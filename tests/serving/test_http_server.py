@@ -259,6 +259,21 @@ def test_errors(client, kw, exc, needle):
     assert e.value.type == ("not_found_error" if exc == "NotFoundError" else "invalid_request_error")
 
 
+@pytest.mark.parametrize("kw, param, needle", [
+    (dict(temperature=1e300), "temperature", "within float32's range"),
+    (dict(extra_body={"min_tokens": 5}), "min_tokens", "min_tokens (5) must be <= max_tokens (4)"),
+    (dict(max_tokens=None, extra_body={"min_tokens": 300}), "min_tokens", "min_tokens 300 is more than the"),
+])
+def test_errors_name_their_parameter(client, kw, param, needle):
+    """SamplingParams' own checks and the room left for min_tokens name the parameter, not the
+    request's internal id."""
+    args = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    args.update(kw)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert needle in e.value.message and e.value.body["param"] == param and "chatcmpl-" not in e.value.message
+
+
 def test_http_level_errors(server):
     url = server.base_url + "/completions"
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
@@ -271,7 +286,37 @@ def test_http_level_errors(server):
     r = httpx.get(server.base_url + "/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(url)
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and "error" in r.json() and r.headers["allow"] == "POST"
+    for body, param in (({"messages": None}, "prompt"), ({"messages": "hi"}, "messages"), ({"prompt": 5}, "prompt"),
+                        ({"prompt": None, "messages": []}, "messages")):
+        r = httpx.post(server.http_url + "/tokenize", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_an_unexpected_error_is_a_500_answered_like_any_response(server, monkeypatch, caplog):
+    """Not re-raised to the server after the answer (Starlette's Exception handler does), which
+    would close the connection and drop a request the client had already sent on it."""
+    async def broken(**kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server.core, "tokenize", broken)
+    sent, messages = [], [{"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/tokenize", "raw_path": b"/tokenize", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80)}
+    with caplog.at_level(logging.ERROR, logger="xlaserve.http"):
+        server.call(server.app.app(scope, receive, send))  # returns: nothing is raised to uvicorn
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"])["error"] == {"message": "internal error: RuntimeError('boom')",
+                                                    "type": "server_error", "param": None, "code": None}
+    assert "unhandled error on /tokenize" in caplog.text
 
 
 def test_malformed_bodies_are_400s_and_counted(server):
