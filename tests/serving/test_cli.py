@@ -29,6 +29,30 @@ def test_generate_json_contract_on_stories260k():
     assert out["text"] == "Once upon a time, there was a little girl named Lily. She" and GOLDEN_START.startswith(out["text"])
 
 
+def test_generate_without_a_prompt_on_a_model_without_a_chat_template():
+    """The demo question goes in as plain text where there is no chat template to put it in."""
+    from runtime.tokenizer import load_tokenizer
+
+    model = shared_data_dir() / "stories260k" / "stories260K.bin"
+    r = xlaserve("generate", "--model", str(model), "--max-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    tok = load_tokenizer(shared_data_dir() / "stories260k" / "tok512.bin")
+    assert json.loads(r.stdout.splitlines()[-1])["prompt_token_ids"] == tok.encode("What is the capital of France?")
+
+
+def test_serve_names_the_embedded_model_as_the_docs_do():
+    """Without --model the default model is served as "SmolLM2-135M-Instruct" (the README's requests
+    name it so), not as its file's stem; a --served-model-name or a --model of one's own is kept."""
+    from serving.cli import DEFAULT_MODEL_NAME, default_model_path, with_model
+    from serving.config import ServerConfig, ServeSettings
+
+    settings, model = with_model(ServeSettings())
+    assert (settings.server.served_model_name, model) == (DEFAULT_MODEL_NAME, str(default_model_path()))
+    named = ServeSettings(server=ServerConfig(served_model_name="mine"))
+    assert with_model(named)[0].server.served_model_name == "mine"
+    assert with_model(ServeSettings(model="m.gguf")) == (ServeSettings(model="m.gguf"), "m.gguf")
+
+
 def test_generate_text_prompt_and_convert_roundtrip(tmp_path):
     """The converted checkpoint holds its own copy of the llama2.c tokenizer: it still works once the
     source is gone."""

@@ -86,6 +86,8 @@ def test_completion_batch_of_prompts():
     (dict(temperature=10**400), "temperature"),  # past float's range: was an OverflowError, a 500
     (dict(response_format={"type": "json_object"}), "response_format"),  # was ignored on completions
     (dict(guided_json={"type": "object"}), "guided_json"),
+    (dict(guided_json={}), "guided_json"),  # any JSON: still a constraint (empty tools/bad_words lists are none)
+    (dict(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
     (dict(guided_choice=["a", "b"]), "guided_choice"),
     (dict(structured_outputs={"regex": "a+"}), "structured_outputs"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),  # ignored on completions before
@@ -99,8 +101,10 @@ def test_completion_bad_parameters_name_the_parameter(kw, param):
 
 
 def test_cross_field_errors_come_from_sampling_params():
-    with pytest.raises(InvalidRequest, match=r"min_tokens \(9\) must be <= max_tokens \(4\)"):
+    with pytest.raises(InvalidRequest, match=r"min_tokens \(9\) must be <= max_tokens \(4\)") as e:
         completion(min_tokens=9, max_tokens=4)
+    assert e.value.param == "min_tokens"
+    completion(tools=[], bad_words=[])  # empty: nothing asked for
 
 
 def test_model_checks():
