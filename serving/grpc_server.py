@@ -174,7 +174,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             kind = request.WhichOneof("input")
             if kind == "text":
-                ids = await self.core.tokenize(text=request.text, add_special_tokens=request.add_special_tokens)
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = await self.core.tokenize(text=request.text, add_special_tokens=special)
             elif kind == "chat":
                 ids = await self.core.tokenize(messages=_messages(request.chat))
             else:

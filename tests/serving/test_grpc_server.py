@@ -166,6 +166,9 @@ def test_generate_with_a_request_id(stub, server):
 def test_tokenize_and_model_info(stub, server):
     r = stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=True))
     assert list(r.token_ids) == server.engine.tokenizer.encode(PROMPT) and len(r.tokens) == len(r.token_ids)
+    # unset: the ids Generate and HTTP /tokenize take the text as (BOS first)
+    assert stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids == r.token_ids
+    assert list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=False)).token_ids) == r.token_ids[1:]
     assert r.max_model_len == 256
     r = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")])))
     rendered = "<s>user: x\nassistant:"  # the test template; BOS as text, so no BOS is added again
