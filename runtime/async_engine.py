@@ -23,12 +23,13 @@ If the loop thread dies, every open stream raises EngineDeadError and health() r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
 from runtime.engine import Engine, EngineStats, frozen_heap
 from runtime.llm import RequestOutput
@@ -139,23 +140,6 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # -- streams --------------------------------------------------------------------------------
-    async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        done = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.finished:
-                    done = True
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:  # the consumer went away (client disconnect): stop generating
-                self._send(("abort", rid, q))
-
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -199,6 +183,17 @@ class AsyncEngine:
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, err)
+            if self._error is None:
+                # Nobody hears of those requests any more: they must not run on, nor hold their ids
+                # and pages, in an engine a new AsyncEngine may drive. (An engine that raised is left
+                # as it is, for its error to be looked into.)
+                try:
+                    for rid in rids:
+                        engine.abort(rid)
+                    while engine.has_unfinished():  # the step in flight, and the aborts' last outputs
+                        engine.step()
+                except Exception:  # noqa: BLE001 - the streams have their error; this is the log's
+                    logger.exception("could not end the requests left at shutdown")
 
     def _drain(self) -> None:
         while True:
@@ -228,21 +223,42 @@ class AsyncEngine:
 
 class OutputStream:
     """The outputs of one submitted request (AsyncEngine.submit): `async for out in stream`.
-    cancel() aborts this request; a stream dropped or closed before its last output does too."""
+    cancel() aborts this request; so does a stream closed, dropped or cancelled while waiting
+    before its last output, also one never read."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue) -> None:
         self.request_id = request_id
         self._engine, self._q = engine, q
-        self._outputs = engine._outputs(request_id, q)
+        self._done = False  # the last output (or the error) was taken, or the request was let go
 
     def __aiter__(self) -> OutputStream:
         return self
 
-    def __anext__(self):
-        return self._outputs.__anext__()
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._q.get()
+        except BaseException:  # the consumer was cancelled while waiting (a client disconnect)
+            self._let_go()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
 
-    def aclose(self):
-        return self._outputs.aclose()
+    async def aclose(self) -> None:
+        self._let_go()
 
     def cancel(self) -> None:
         self._engine.cancel(self.request_id, stream=self)
+
+    def _let_go(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._send(("abort", self.request_id, self._q))
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (at interpreter exit the engine may be gone)
+            self._let_go()

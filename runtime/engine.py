@@ -472,7 +472,7 @@ class Engine:
             lp = [(np.asarray(a) if plan.num_steps > 1 else np.asarray(a)[None])[:, :n] for a in logprobs]
             rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
             taken: dict[str, int] = {}  # a request's updates come in step order: the j-th is model step j's
-        seqs, pending, generated = self._seqs, self._pending, 0
+        seqs, pending = self._seqs, self._pending
         for rid, token, finish_reason, stop_reason in self.scheduler.resolve(sampled):
             seq = seqs.get(rid)
             if seq is None:  # finished by length when applied, then aborted or stopped by a stop string
@@ -486,19 +486,19 @@ class Engine:
                 for t, v in zip(lp[1][j, i, :k].tolist(), lp[2][j, i, :k].tolist()):
                     row.setdefault(t, v)
             pending.append((seq, token, row, finish_reason, stop_reason))
-            generated += 1
             if finish_reason is not None:
                 del seqs[rid]
-        self._counts["generated"] += generated
 
     def _emit(self, partial: bool) -> list[RequestOutput]:
         # by group, not id: an aborted request's id may be reused before its final output is built
         touched: dict[int, _Group] = {id(g): g for g in self._ready}
         self._ready = []
         pending, self._pending = self._pending, []
+        generated = 0  # the tokens outputs hold: not a burst's tokens after its stop string, nor an abort's
         for seq, token, lp_row, finish_reason, stop_reason in pending:
-            if seq.finish_reason is not None:  # aborted since the step was planned
+            if seq.finish_reason is not None:  # aborted (or stopped by a stop string) since the step was planned
                 continue
+            generated += 1
             seq.output_ids.append(token)
             if lp_row is not None:
                 seq.logprobs.append(lp_row)
@@ -517,6 +517,7 @@ class Engine:
                 self._finish_seq(seq, finish_reason, stop_reason)
             group = seq.group
             touched[id(group)] = group
+        self._counts["generated"] += generated
         return [self._output(g) for g in touched.values()
                 if g.finished or (partial and g.params.output_kind != OUTPUT_FINAL_ONLY)]
 

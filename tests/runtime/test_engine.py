@@ -537,6 +537,44 @@ def test_async_engine_streams_and_cancels(engine, workload):
     check_idle(engine)
 
 
+def test_async_engine_lets_go_of_unread_streams_and_ends_requests_at_shutdown(engine, workload):
+    """A stream closed or dropped before it is first read aborts its request; shutdown aborts the
+    requests whose streams it ends, so the engine serves a new AsyncEngine (the same ids too)."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def main():
+        ae = AsyncEngine(engine)
+        try:
+            aborted = ae.stats().num_aborted
+            closed = ae.submit(GenerationRequest(prompt_token_ids=workload[2][1], sampling_params=params))
+            await closed.aclose()
+            dropped = ae.submit(GenerationRequest(prompt_token_ids=workload[3][1], sampling_params=params))
+            del dropped
+            # commands run in order: once this later request is done, both were let go of
+            await drain(ae.submit(GenerationRequest(prompt_token_ids=[7, 8, 9],
+                                                    sampling_params=replace(params, max_tokens=2))))
+            assert ae.stats().num_aborted == aborted + 2
+            left = ae.submit(GenerationRequest(prompt_token_ids=workload[4][1], sampling_params=params,
+                                               request_id="r"))
+            assert not (await left.__anext__()).finished
+        finally:
+            ae.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in left:
+                pass
+        assert not engine.has_unfinished()
+        again = AsyncEngine(engine)
+        try:
+            out = await drain(again.submit(GenerationRequest(prompt_token_ids=workload[4][1], sampling_params=params,
+                                                             request_id="r")))
+            assert len(out.outputs[0].token_ids) == 60
+        finally:
+            again.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+    check_idle(engine)
+
+
 def test_async_engine_request_ids_and_bad_requests(engine, workload):
     """A stream that goes away aborts only its own request, not a later one that reuses its id; ids
     the engine picks skip ids callers chose; a bad field fails its submit, not the engine loop; a

@@ -156,9 +156,12 @@ def test_the_stop_string_that_ends_first_wins_however_the_text_was_tokenized(llm
     k = next(k for k in range(1, 41) if len(text_of(k)) > cut)
     assert text_of(k - 1) == base.text[:cut] and text_of(k).startswith(base.text[:cut] + word)  # one token
     for stop in (["lit", word], [word, "lit"]):
+        before = llm.engine.stats().generated_tokens
         c = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                                                     stop=stop))[0].outputs[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (base.text[: cut + 1], "stop", "lit"), stop
+        # the burst's tokens past the stop string are in no output, nor in the count
+        assert llm.engine.stats().generated_tokens - before == len(c.token_ids) == k
     llm.engine.check_invariants()
 
 
