@@ -33,7 +33,7 @@ from typing import Sequence
 
 from runtime.engine import Engine, EngineStats, frozen_heap
 from runtime.llm import RequestOutput
-from runtime.request import SamplingParams, new_request_id, validate_cache_salt
+from runtime.request import SamplingParams, check_priority, new_request_id, validate_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if (request.prompt is None) == (request.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
-        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-            raise ValueError(f"priority must be an int, got {request.priority!r}")
+        check_priority(request.priority)
         validate_cache_salt(request.cache_salt)
         if request.request_id is not None and not isinstance(request.request_id, str):
             raise ValueError(f"request_id must be a string or None, got {request.request_id!r}")

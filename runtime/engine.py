@@ -77,7 +77,7 @@ from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
 from runtime.plan import StepPlan
 from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
-                             new_request_id, validate_prompt)
+                             check_priority, new_request_id, validate_prompt)
 from runtime.sampling import sample_seed
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
@@ -305,6 +305,7 @@ class Engine:
         request_id = request_id if request_id is not None else new_request_id("req-", self._sid_counter, self._groups)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already live")
+        check_priority(priority)
         text, prompt_ids = self.prepare_prompt(prompt)
         self.validate(prompt_ids, params, request_id=request_id)
         return self.enqueue_checked(prompt_ids, params, request_id=request_id, priority=priority,

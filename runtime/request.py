@@ -295,6 +295,11 @@ def is_finite(v: numbers.Real) -> bool:
         return False
 
 
+def check_priority(priority) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+
+
 def validate_cache_salt(cache_salt: object) -> str | None:
     """`cache_salt` when it is a string (any: the prefix cache hashes lone surrogates too) or None;
     else ValueError, before the scheduler hashes it inside a step."""

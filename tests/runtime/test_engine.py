@@ -51,6 +51,9 @@ def test_random_model_batch_and_preemption_equal_alone():
         results = run_workload(e, reqs)
         assert e.stats().num_preemptions > 0 and e.stats().prefix_cache_hit_tokens > 0
         assert_matches_alone(alone, results)
+        with pytest.raises(ValueError, match="priority must be an int, got None"):  # (was a TypeError)
+            e.add_request([1, 2], priority=None)
+        assert not e.has_unfinished()
     finally:
         e.close()
 
