@@ -173,14 +173,25 @@ class DecodeRules:
     strip: StripMode = StripMode.NONE
     spaced: bool = False  # no decoder: HF tokenizers joins the tokens with spaces
 
-    SUPPORTED = "ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence"
+    SUPPORTED = ("ByteLevel, Metaspace, Replace (string), ByteFallback, Fuse, Strip(' ', 1, 0), Sequence; "
+                 "ByteFallback and Metaspace before any Fuse, Strip after one")
 
     @classmethod
     def from_hf_decoder(cls, decoder: Mapping[str, Any] | None, source: str) -> DecodeRules:
         fields: dict[str, Any] = {"replace": ()}
+        fused = False  # HF decoders work token by token until a Fuse joins them into one string
+
+        def refuse(d: Mapping[str, Any], why: str = "") -> None:
+            raise ValueError(f"{source}: tokenizer.json decoder {dict(d)}{why} is not supported; "
+                             f"supported: {cls.SUPPORTED}")
 
         def read(d: Mapping[str, Any]) -> None:
+            nonlocal fused
             kind = d.get("type")
+            if kind in ("ByteFallback", "Metaspace") and fused:  # (on the joined text they act otherwise)
+                refuse(d, " after Fuse")
+            if kind == "Strip" and not fused:  # (token by token it strips every token)
+                refuse(d, " before a Fuse")
             if kind == "Sequence":
                 for sub in d.get("decoders", ()):
                     read(sub)
@@ -189,7 +200,7 @@ class DecodeRules:
             elif kind == "ByteFallback":
                 fields["byte_fallback"] = True
             elif kind == "Fuse":
-                pass
+                fused = True
             elif kind == "Metaspace":
                 scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
                 fields["replace"] += ((d.get("replacement", "\u2581"), " "),)
@@ -200,9 +211,7 @@ class DecodeRules:
             elif kind == "Strip" and d.get("content") == " " and d.get("start") == 1 and d.get("stop") == 0:
                 fields["strip"] = StripMode.OUTPUT
             else:
-                raise ValueError(
-                    f"{source}: tokenizer.json decoder {dict(d)} is not supported; supported: {cls.SUPPORTED}"
-                )
+                refuse(d)
 
         if decoder is None:  # a space before every piece, and none before the text's first
             return cls(spaced=True, strip=StripMode.FIRST_PIECE)

@@ -741,6 +741,16 @@ def test_unsupported_tokenizer_json_decoder(tmp_path):
     hf.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="decoder.*WordPiece.*not supported"):
         Tokenizer.from_pretrained_dir(tmp_path)
+    # HF decoders act token by token until a Fuse: these orders decode otherwise than the usual ones
+    # (Strip strips every token; ByteFallback and Metaspace act on the joined text), so are refused
+    strip = decoders.Strip(" ", 1, 0)
+    for chain, why in (([decoders.Replace("\u2581", " "), decoders.ByteFallback(), strip], "before a Fuse"),
+                       ([strip, decoders.ByteFallback(), decoders.Fuse()], "before a Fuse"),
+                       ([decoders.ByteFallback(), decoders.Fuse(), decoders.Metaspace()], "after Fuse")):
+        hf.decoder = decoders.Sequence(chain)
+        hf.save(str(tmp_path / "tokenizer.json"))
+        with pytest.raises(ValueError, match=f"{why} is not supported"):
+            Tokenizer.from_pretrained_dir(tmp_path)
 
 
 @pytest.mark.parametrize("scheme", ["always", "first", "never"])
