@@ -34,8 +34,12 @@ class RopeScaling:
             )
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any] | None, key: str = "rope_scaling") -> RopeScaling | None:
-        """From a HF config's `rope_scaling` (or `rope_parameters`) dict; `key` names it in errors."""
+    def from_hf(cls, d: dict[str, Any] | None, key: str = "rope_scaling", *, max_position_embeddings: int,
+                original_max_position_embeddings: int | None = None) -> RopeScaling | None:
+        """From a HF config's `rope_scaling` (or `rope_parameters`) dict; `key` names it in errors.
+        llama3's pretraining context is read as transformers 5 reads it (`standardize_rope_params`):
+        the config's top-level `original_max_position_embeddings` (passed here) first, then the
+        dict's, then the config's `max_position_embeddings`."""
         if not d:
             return None
         if not isinstance(d, dict):
@@ -46,12 +50,14 @@ class RopeScaling:
         if kind == "linear":
             return cls("linear", _hf_number(d, "factor", float, prefix=key))
         if kind == "llama3":
+            orig = original_max_position_embeddings or _hf_number(
+                d, "original_max_position_embeddings", int, max_position_embeddings, prefix=key)
             return cls(
                 "llama3",
                 _hf_number(d, "factor", float, prefix=key),
                 _hf_number(d, "low_freq_factor", float, 1.0, prefix=key),
                 _hf_number(d, "high_freq_factor", float, 4.0, prefix=key),
-                _hf_number(d, "original_max_position_embeddings", int, 8192, prefix=key),
+                orig,
             )
         type_key = "rope_type" if "rope_type" in d else "type"
         raise ValueError(f"config key '{key}.{type_key}' is {kind!r}; supported: default, linear, llama3")
@@ -180,14 +186,7 @@ class ModelConfig:
         checked for type and range here, so a bad one is named (ValueError) rather than failing later."""
         if not isinstance(d, dict):
             raise ValueError(f"the config is a JSON {type(d).__name__}; it must be an object of config keys")
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if not isinstance(archs, list) or not isinstance(archs[0], str):
-            raise ValueError(f"config key 'architectures' is {archs!r}; it must be a list of class names")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+        arch = _architecture(d)
         D = _hf_number(d, "hidden_size")
         N = _hf_number(d, "num_attention_heads")
         K = _hf_number(d, "num_key_value_heads", int, N)
@@ -198,14 +197,17 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # (transformers' names of the one activation the model has)
             raise ValueError(f"config key 'hidden_act' is {act!r}; only 'silu' (SwiGLU) is supported")
+        _check_biases(d, arch)
         sliding, sliding_layers = _sliding_window(d, arch, L)
-        rope_params = d.get("rope_parameters")  # transformers 5: rope_theta and the scaling in one dict
-        if rope_params is not None and not isinstance(rope_params, dict):
-            raise ValueError(f"config key 'rope_parameters' is {rope_params!r}; it must be an object (or null)")
-        rope_theta = _hf_number(d, "rope_theta", float, None)
-        if rope_theta is None:
-            rope_theta = _hf_number(rope_params or {}, "rope_theta", float, 10000.0, prefix="rope_parameters")
+        max_positions = _hf_number(d, "max_position_embeddings", int, _MAX_POSITIONS[arch])
+        # transformers 5 (convert_rope_params_to_dict): a non-empty legacy `rope_scaling` replaces
+        # `rope_parameters` altogether; the dict's rope_theta wins over a top-level one (setdefault)
         scaling_key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        rope = d.get(scaling_key)
+        if rope is not None and not isinstance(rope, dict):
+            raise ValueError(f"config key {scaling_key!r} is {rope!r}; it must be an object (or null)")
+        top_theta = _hf_number(d, "rope_theta", float, 10000.0)  # (checked even where the dict's wins)
+        rope_theta = _hf_number(rope or {}, "rope_theta", float, top_theta, prefix=scaling_key)
         return cls(
             name=name or d.get("_name_or_path") or d.get("model_type", "model"),
             vocab_size=_hf_number(d, "vocab_size"),
@@ -216,16 +218,57 @@ class ModelConfig:
             num_kv_heads=K,
             head_dim=head_dim,
             rope_theta=rope_theta,
-            rope_scaling=RopeScaling.from_hf(d.get(scaling_key), scaling_key),
+            rope_scaling=RopeScaling.from_hf(
+                rope, scaling_key, max_position_embeddings=max_positions,
+                original_max_position_embeddings=_hf_number(d, "original_max_position_embeddings", int, None)),
             rms_norm_eps=_hf_number(d, "rms_norm_eps", float, 1e-6),  # (transformers' default for all four)
-            max_position_embeddings=_hf_number(d, "max_position_embeddings", int, _MAX_POSITIONS[arch]),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
-            attention_bias=_hf_bool(d, "attention_bias", arch == "Qwen2ForCausalLM"),
+            # transformers' Qwen2 always has q/k/v biases (whatever attention_bias says), Mistral never;
+            # Llama's and Qwen3's attention_bias, which also adds an o_proj bias, is refused above
+            attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             sliding_window_layers=sliding_layers,
             architecture=arch,
         )
+
+
+# transformers' model_type -> the class AutoModelForCausalLM builds, for a config without architectures
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    """The model class: `architectures[0]`, else the one transformers picks from `model_type`. A config
+    with neither is read as Llama's."""
+    archs = d.get("architectures")
+    if not archs:
+        model_type = d.get("model_type")
+        if model_type is None:
+            return "LlamaForCausalLM"
+        if not isinstance(model_type, str) or model_type not in _MODEL_TYPES:
+            raise ValueError(f"config has no 'architectures' and its model_type {model_type!r} is not supported; "
+                             f"supported model types: {', '.join(_MODEL_TYPES)}")
+        return _MODEL_TYPES[model_type]
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise ValueError(f"config key 'architectures' is {archs!r}; it must be a list of class names")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {archs[0]!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return archs[0]
+
+
+def _check_biases(d: dict[str, Any], arch: str) -> None:
+    """Refuse the bias options transformers honours and the model lacks: Llama's and Qwen3's
+    attention_bias (q/k/v *and* o_proj biases; Qwen2's q/k/v biases are supported) and Llama's
+    mlp_bias. (Mistral's and Qwen2's modeling code ignores both keys.)"""
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and _hf_bool(d, "attention_bias", False):
+        raise ValueError(f"config key 'attention_bias' is true: {arch} then has an o_proj bias, which is not "
+                         f"supported (only Qwen2's q/k/v biases are)")
+    if arch == "LlamaForCausalLM" and _hf_bool(d, "mlp_bias", False):
+        raise ValueError("config key 'mlp_bias' is true: MLP biases (gate_proj, up_proj, down_proj) are not supported")
 
 
 # transformers' defaults where config.json has no max_position_embeddings

@@ -119,7 +119,8 @@ def resolve_dtype(dtype, checkpoint_dtype) -> jnp.dtype:
 
 
 def open_tensor_source(path: str | Path) -> TensorSource:
-    """The format reader for a checkpoint path (directory, .gguf or llama2.c .bin)."""
+    """The format reader for a checkpoint path (directory, GGUF file or llama2.c .bin). A GGUF file is
+    also known by its magic bytes, whatever its name (ollama keeps them as `sha256-<digest>` blobs)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p} does not exist")
@@ -127,7 +128,9 @@ def open_tensor_source(path: str | Path) -> TensorSource:
         from runtime.formats.safetensors import SafetensorsSource
 
         return SafetensorsSource(p)
-    if p.suffix == ".gguf":
+    from runtime.gguf_tokenizer import is_gguf_file
+
+    if is_gguf_file(p):
         from runtime.formats.gguf import GGUFSource
 
         return GGUFSource(p)
@@ -135,7 +138,7 @@ def open_tensor_source(path: str | Path) -> TensorSource:
         from runtime.formats.llama2c import Llama2cSource
 
         return Llama2cSource(p)
-    raise CheckpointError(f"{p}: unknown checkpoint format (expected a directory, .gguf or llama2.c .bin)")
+    raise CheckpointError(f"{p}: unknown checkpoint format (expected a directory, a GGUF file or a llama2.c .bin)")
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:
@@ -318,6 +321,10 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
     return dst
 
 
+# besides tokenizer* and special_tokens*: the files Tokenizer.from_pretrained_dir reads from a model folder
+_TOKENIZER_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
 def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
     import orbax.checkpoint as ocp
 
@@ -339,7 +346,7 @@ def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
             tdir = dst / "tokenizer"
             tdir.mkdir()
             for f in Path(tok).iterdir():
-                if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json",)):
+                if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in _TOKENIZER_FILES):
                     shutil.copy2(f, tdir / f.name)
             meta["tokenizer"] = "tokenizer"
         elif is_gguf_file(tok):  # the source model itself: referenced, not copied (GGUF files are large)

@@ -93,7 +93,8 @@ def unused_tensors(cfg: ModelConfig, plan: dict[tuple, TensorPlan], names: Itera
     """The tensors among `names` (HF names) that no param of `plan` is built from, in layer order:
     weights the model would silently drop, e.g. layers beyond the config's num_layers, or biases
     the config says the model does not have. Not counted: ignorable buffers, and lm_head.weight
-    beside tied embeddings (transformers ties it to the embedding and ignores the stored copy)."""
+    beside tied embeddings, which is then a copy of the embedding (a reader whose checkpoint stores
+    a different head unties the config, as SafetensorsSource does after transformers)."""
     used = {n for tp in plan.values() for n in tp.hf_names}
     extra = [n for n in names if n not in used and not _IGNORABLE.fullmatch(n)
              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]

@@ -121,7 +121,10 @@ class GGUFSource:
             if required:
                 raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is not valid UTF-8 ({e})") from None
 
     def _meta_number(self, key: str, kind: type = int, default=None, *, required: bool = False):
         """A metadata value as a positive int (kind=int) or a positive finite float, else a CheckpointError
@@ -191,10 +194,20 @@ class GGUFSource:
 
     def _rope_scaling(self, cfg: ModelConfig) -> RopeScaling | None:
         a = self.arch
-        kind = self._meta(f"{a}.rope.scaling.type")
-        factor = self._meta_number(f"{a}.rope.scaling.factor", float)
+        # as llama.cpp reads them (llama_model::load_hparams): the type defaults to linear, the factor
+        # is rope.scaling.factor or else the older rope.scale_linear, and a factor of 0 means none
+        kind = self._meta(f"{a}.rope.scaling.type", "linear")
+        factor_key = f"{a}.rope.scaling.factor"
+        if factor_key not in self._reader.fields:
+            factor_key = f"{a}.rope.scale_linear"
+        raw = self._meta(factor_key)
+        factor = None if raw is None or raw == 0 else self._meta_number(factor_key, float)
+        linear = None if kind == "none" or factor in (None, 1.0) else factor
         freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None:
+            if linear is not None:  # (llama.cpp would apply both)
+                raise CheckpointError(f"{self.path}: rope_freqs.weight together with rope scaling type {kind!r} "
+                                      f"factor {linear} ({factor_key}) is not supported")
             # llama.cpp stores Llama 3.1's scaling as per-pair frequency divisors (rope_freqs) instead
             # of its parameters; accept them when they are exactly the llama3 rule with the
             # parameters every released Llama 3.x model uses.
@@ -210,10 +223,10 @@ class GGUFSource:
                     f"other rope frequency factors are not supported"
                 )
             return rs
-        if kind in (None, "none") or factor in (None, 1.0):
+        if linear is None:
             return None
         if kind == "linear":
-            return RopeScaling("linear", float(factor))
+            return RopeScaling("linear", linear)
         raise CheckpointError(f"{self.path}: rope scaling type {kind!r} is not supported (supported: none, linear, llama3)")
 
     # --------------------------------------------------------------------------------- tensors

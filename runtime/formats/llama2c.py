@@ -54,11 +54,15 @@ class Llama2cSource:
                 f"multiple of n_heads and n_heads of n_kv_heads"
             )
         H = D // N
-        self.config = ModelConfig(
-            name=self.path.stem, vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L,
-            num_heads=N, num_kv_heads=K, head_dim=H, rope_theta=10000.0, rms_norm_eps=1e-5,
-            max_position_embeddings=S, tie_word_embeddings=shared,
-        )
+        try:
+            self.config = ModelConfig(
+                name=self.path.stem, vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L,
+                num_heads=N, num_kv_heads=K, head_dim=H, rope_theta=10000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=S, tie_word_embeddings=shared,
+            )
+        except ValueError as e:  # a combination ModelConfig rejects (an odd head_dim, dim / n_heads)
+            raise CheckpointError(f"{self.path}: llama2.c header (dim {D}, n_heads {N}) gives an invalid model "
+                                  f"config: {e}") from None
         # (name, shape) in file order; the name is our own for the stacked arrays
         layout = [
             ("embed", (V, D)), ("rms_att", (L, D)), ("wq", (L, N * H, D)), ("wk", (L, K * H, D)),

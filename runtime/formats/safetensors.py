@@ -7,6 +7,7 @@ file is reported with the file, the tensor and the byte counts, and so bf16 maps
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import numpy as np
 
 from models.config import ModelConfig
 from runtime.formats.base import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -134,8 +137,35 @@ class SafetensorsSource:
                 files = [_File(self.path / f) for f in found]
             else:
                 files = [_File(single)]
-            self._where = {name: f for f in files for name in f.header}
+            self._where = {}
+            for f in files:
+                for name in f.header:
+                    if name in self._where:  # (no index says which copy is meant)
+                        raise CheckpointError(f"{self.path}: tensor {name!r} is in both {self._where[name].path.name} "
+                                              f"and {f.path.name}; without a model.safetensors.index.json it is "
+                                              f"unclear which one to load")
+                    self._where[name] = f
         self.dtype = next((f.dtype_of(n) for n, f in self._where.items() if n.endswith("_proj.weight")), np.dtype(np.float32))
+        if self.config.tie_word_embeddings and not self._stored_head_is_the_embedding():
+            self.config = self.config.replace(tie_word_embeddings=False)
+
+    def _stored_head_is_the_embedding(self) -> bool:
+        """False where the checkpoint stores an lm_head.weight that differs from the embedding: as
+        transformers does (PreTrainedModel.tie_weights), a tied config then loads the stored head
+        untied, and logs it. Compared a block at a time, so host memory stays small."""
+        head, embed = self._where.get("lm_head.weight"), self._where.get("model.embed_tokens.weight")
+        if head is None or embed is None:
+            return True
+        h, e = head.get("lm_head.weight"), embed.get("model.embed_tokens.weight")
+        same = h.shape == e.shape
+        if same:
+            h, e, step = h.reshape(-1), e.reshape(-1), 1 << 22
+            same = all(np.array_equal(h[i : i + step], e[i : i + step]) for i in range(0, h.size, step))
+        if not same:
+            logger.warning("%s: config.json ties the word embeddings, but lm_head.weight differs from "
+                           "model.embed_tokens.weight; loading it as a separate output head, as transformers does",
+                           self.path)
+        return same
 
     @staticmethod
     def _need(p: Path, index: Path) -> Path:

@@ -14,6 +14,7 @@ from runtime.formats.base import CheckpointError
 from tests.testing.greedy import greedy_generate
 from sharding.mesh import MeshConfig
 from tests.models.test_llama_vs_hf import BASE, make_hf_checkpoint
+from tests.tolerances import MODEL_LOGITS_F32
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,25 @@ def test_convert_then_load_gives_same_logits(hf_dir, tmp_path):
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(FileExistsError, match="not empty"):
         convert(hf_dir, dst, progress=False)
+
+
+@pytest.mark.parametrize("template_file", ["chat_template.jinja", "chat_template.json"])
+def test_convert_keeps_the_chat_template(hf_dir, tmp_path, template_file):
+    """Tokenizer.from_pretrained_dir reads the chat template from these files: convert copies them."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from runtime.tokenizer import load_tokenizer
+
+    src = _copy(hf_dir, tmp_path / "src")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3}  # (generation_config.json names ids 1 and 2)
+    HFTokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(src / "tokenizer.json"))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (src / template_file).write_text(template if template_file.endswith(".jinja")
+                                     else json.dumps({"chat_template": template}))
+    assert load_tokenizer(src).chat_template == template
+    loaded = load_model(convert(src, tmp_path / "orbax", progress=False))
+    assert (loaded.tokenizer_path / template_file).is_file()
+    assert load_tokenizer(loaded.tokenizer_path).chat_template == template
 
 
 def test_auto_dtype_is_the_checkpoints_own(hf_dir, tmp_path):
@@ -127,10 +147,11 @@ def test_tensor_the_model_has_no_parameter_for_is_an_error(hf_dir, tmp_path):
 
 def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
     """transformers < 4.31 saved RoPE inv_freq buffers in Llama checkpoints, and tied models may store
-    lm_head.weight beside the embedding (transformers ignores it): both load as if absent."""
+    a copy of the embedding as lm_head.weight: both load as if absent."""
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(hf_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     cfg = json.loads((hf_dir / "config.json").read_text()) | {"tie_word_embeddings": True}
 
     def write(name, tensors):
@@ -145,9 +166,57 @@ def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
     extras = write("extras", tensors | inv_freq)
     plain = write("plain", {k: v for k, v in tensors.items() if k != "lm_head.weight"})
     prompt = np.random.default_rng().integers(0, BASE["vocab_size"], 12).tolist()
-    got = greedy_generate(load_model(extras, dtype="float32", progress=False), prompt, 1).prompt_logits
+    loaded = load_model(extras, dtype="float32", progress=False)
+    assert loaded.config.tie_word_embeddings
+    got = greedy_generate(loaded, prompt, 1).prompt_logits
     want = greedy_generate(load_model(plain, dtype="float32", progress=False), prompt, 1).prompt_logits
     np.testing.assert_array_equal(got, want)
+
+
+def test_tied_config_with_a_different_stored_head_loads_it_untied_as_transformers_does(hf_dir, tmp_path, caplog):
+    """transformers 5 (PreTrainedModel.tie_weights) warns and does not tie when the checkpoint stores
+    an lm_head.weight that differs from the embedding; dropping it gave other logits."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(hf_dir, tmp_path / "tied")
+    cfg = json.loads((d / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(d / "model.safetensors")  # (hf_dir's model is untied: its lm_head differs)
+    assert not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(d / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    with caplog.at_level("WARNING", logger="runtime.formats.safetensors"):
+        loaded = load_model(d, dtype="float32", progress=False)
+    assert not loaded.config.tie_word_embeddings
+    assert "lm_head.weight differs from model.embed_tokens.weight" in caplog.text
+    prompt = np.random.default_rng().integers(0, BASE["vocab_size"], 20).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    atol, rtol = MODEL_LOGITS_F32
+    np.testing.assert_allclose(greedy_generate(loaded, prompt, 1).prompt_logits, ref, atol=atol, rtol=rtol)
+
+
+def test_a_tensor_in_two_unindexed_files_is_an_error(hf_dir, tmp_path):
+    """Without an index every *.safetensors file is read: a tensor in two of them was taken from the
+    later file (here a stale one), silently."""
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "dupe"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    tensors = load_file(hf_dir / "model.safetensors")
+    save_file(tensors, str(d / "a.safetensors"))
+    save_file({"model.norm.weight": np.full_like(tensors["model.norm.weight"], 7.0)}, str(d / "b-stale.safetensors"))
+    with pytest.raises(CheckpointError, match=r"dupe: tensor 'model\.norm\.weight' is in both a\.safetensors and "
+                                              r"b-stale\.safetensors"):
+        load_model(d, progress=False)
+    (d / "b-stale.safetensors").unlink()
+    save_file({"lm_head.weight": tensors.pop("lm_head.weight")}, str(d / "b.safetensors"))
+    save_file(tensors, str(d / "a.safetensors"))
+    load_model(d, progress=False)  # split over two files without an index, each tensor once
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -279,6 +279,46 @@ def test_llama3_rope_freqs_vs_hf(tmp_path):
         GGUFSource(tmp_path / "bad.gguf")
 
 
+LINEAR_ROPE_META = {
+    "type_and_factor": {"llama.rope.scaling.type": ("add_string", "linear"),
+                        "llama.rope.scaling.factor": ("add_float32", 4.0)},
+    "factor_alone": {"llama.rope.scaling.factor": ("add_float32", 4.0)},  # llama.cpp's default type is linear
+    "old_scale_linear_key": {"llama.rope.scale_linear": ("add_float32", 4.0)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINEAR_ROPE_META))
+def test_linear_rope_scaling_read_as_llama_cpp_reads_it(tmp_path, case):
+    scaling = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    model = random_hf_model("LlamaConfig", "LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                            rope_parameters=scaling, tie_word_embeddings=False)
+    model_to_gguf(model, tmp_path / "linear.gguf", "llama", meta=LINEAR_ROPE_META[case])
+    loaded = load_model(tmp_path / "linear.gguf", progress=False)
+    assert loaded.config.rope_scaling == RopeScaling("linear", 4.0)
+    assert_matches_hf(model, loaded, new_tokens=8)
+
+
+@pytest.mark.parametrize("meta", [
+    {"llama.rope.scaling.type": ("add_string", "none"), "llama.rope.scaling.factor": ("add_float32", 4.0)},
+    {"llama.rope.scaling.factor": ("add_float32", 0.0)},  # llama.cpp: 0 is no scaling
+    {"llama.rope.scaling.factor": ("add_float32", 1.0), "llama.rope.scale_linear": ("add_float32", 4.0)},
+], ids=["type_none", "factor_0", "new_key_first"])
+def test_rope_metadata_that_means_no_scaling(tmp_path, meta):
+    hp, tensors = tiny_tensors()
+    write_gguf(tmp_path / "none.gguf", "llama", hp, tensors, meta=meta)
+    assert GGUFSource(tmp_path / "none.gguf").config.rope_scaling is None
+
+
+def test_rope_freqs_beside_a_linear_factor_is_refused(tmp_path):
+    hp, tensors = tiny_tensors()
+    freqs = llama_cpp_rope_freqs(hp["rope_theta"], hp["head_dim"], 8.0)
+    write_gguf(tmp_path / "both.gguf", "llama", hp, tensors | {"rope_freqs.weight": (freqs, None)},
+               meta={"llama.rope.scaling.factor": ("add_float32", 2.0)})
+    with pytest.raises(CheckpointError, match=r"both.gguf: rope_freqs.weight together with rope scaling type "
+                                              r"'linear' factor 2.0 \(llama.rope.scaling.factor\) is not supported"):
+        GGUFSource(tmp_path / "both.gguf")
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 
@@ -387,6 +427,38 @@ def test_tokenizer_path_only_where_the_metadata_has_a_tokenizer(tmp_path):
     assert load_model(tmp_path / "notok.gguf", progress=False).tokenizer_path is None  # so --prompt-ids works
     write_gguf(tmp_path / "tok.gguf", "llama", hp, tensors, meta={"tokenizer.ggml.model": ("add_string", "llama")})
     assert GGUFSource(tmp_path / "tok.gguf").tokenizer_path() == tmp_path / "tok.gguf"
+
+
+def test_invalid_utf8_metadata_string_names_file_and_key(tmp_path):
+    hp, tensors = tiny_tensors()
+    path = tmp_path / "utf8.gguf"
+    write_gguf(path, "llama", hp, tensors)
+    data = bytearray(path.read_bytes())
+    value = data.index(b"llama", data.index(b"general.architecture") + len("general.architecture"))
+    data[value] = 0xA8  # not a UTF-8 start byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"utf8.gguf: GGUF metadata key 'general.architecture' is not valid "
+                                              r"UTF-8 \('utf-8' codec can't decode byte 0xa8"):
+        load_model(path, progress=False)
+
+
+def test_gguf_file_without_the_suffix_is_known_by_its_magic(tmp_path):
+    """ollama keeps its models as blobs named sha256-<digest>: the model and its tokenizer load."""
+    from runtime.tokenizer import load_tokenizer
+
+    hp, tensors = tiny_tensors()
+    vocab = {"tokenizer.ggml.model": ("add_string", "gpt2"), "tokenizer.ggml.tokens": ("add_array", ["a", "b", "ab"]),
+             "tokenizer.ggml.merges": ("add_array", ["a b"]), "tokenizer.ggml.token_type": ("add_array", [1, 1, 1])}
+    write_gguf(tmp_path / "model.gguf", "llama", hp, tensors, meta=vocab)
+    blob = tmp_path / "sha256-0c1f"
+    blob.write_bytes((tmp_path / "model.gguf").read_bytes())
+    loaded, ref = load_model(blob, progress=False), load_model(tmp_path / "model.gguf", progress=False)
+    assert loaded.tokenizer_path == blob and load_tokenizer(loaded.tokenizer_path).encode("ab") == [2]
+    prompt = np.random.default_rng().integers(0, hp["vocab_size"], 8).tolist()
+    np.testing.assert_array_equal(prompt_logits(loaded, prompt), prompt_logits(ref, prompt))
+    (tmp_path / "other").write_bytes(b"GGUX" + bytes(60))
+    with pytest.raises(CheckpointError, match="other: unknown checkpoint format"):
+        load_model(tmp_path / "other", progress=False)
 
 
 def test_missing_file(tmp_path):

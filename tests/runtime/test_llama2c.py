@@ -169,11 +169,13 @@ def test_versioned_export_rejected(tmp_path):
 
 @pytest.mark.parametrize("header, what", [((64, 172, 0, 8, 4, 512, 512), "n_layers is 0"),
                                            ((64, 172, 5, 6, 4, 512, 512), "dim must be a multiple"),
+                                           ((12, 16, 1, 4, 4, 8, 4), r"header \(dim 12, n_heads 4\) gives an invalid "
+                                                                     r"model config: head_dim must be even for RoPE"),
                                            ((1, 2, 3), "too short")])
 def test_bad_header(header, what, tmp_path):
     p = tmp_path / "bad.bin"
     p.write_bytes(struct.pack(f"<{len(header)}i", *header))
-    with pytest.raises(CheckpointError, match=what):
+    with pytest.raises(CheckpointError, match=rf"bad.bin: .*{what}"):
         Llama2cSource(p)
 
 
