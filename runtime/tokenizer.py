@@ -287,8 +287,11 @@ class Tokenizer:
         if pad is None:
             pad = gen.get("pad_token_id")
         unk = configured_id("unk")
-        add_bos = cfg.get("add_bos_token", parts.add_bos)
-        add_eos = cfg.get("add_eos_token", parts.add_eos)
+        if (d / "tokenizer.json").is_file():  # its post-processor decides, as in transformers 5
+            add_bos, add_eos = parts.add_bos, parts.add_eos
+        else:
+            add_bos = cfg.get("add_bos_token", parts.add_bos)
+            add_eos = cfg.get("add_eos_token", parts.add_eos)
         return cls(
             encoder=parts.encoder,
             table=parts.table,
@@ -555,7 +558,13 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
     eos = _token_content(cfg.get("eos_token"))
     parts.bos_id = tok.token_to_id(bos) if bos is not None else None
     parts.eos_id = tok.token_to_id(eos) if eos is not None else None
-    # Without add_bos_token in the config, the post-processor tells (Llama 3 writes BOS there).
+    # BOS and EOS are what the post-processor adds (transformers 5 encodes through it, whatever the
+    # config's add_bos_token says); the tokens it adds are BOS and EOS where the config names none
+    # (a bare tokenizer.json of Llama 3 writes <|begin_of_text|> there).
+    if parts.bos_id is None and probe and probe[0] in special:
+        parts.bos_id = probe[0]
+    if parts.eos_id is None and len(probe) > 1 and probe[-1] in special:
+        parts.eos_id = probe[-1]
     parts.add_bos = parts.bos_id is not None and probe[:1] == [parts.bos_id]
     parts.add_eos = parts.eos_id is not None and probe[-1:] == [parts.eos_id] and (len(probe) > 1 or not parts.add_bos)
     if parts.add_bos and parts.eos_id == parts.bos_id and len(probe) == 1:

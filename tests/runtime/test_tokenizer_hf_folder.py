@@ -1,0 +1,67 @@
+"""A HF model folder's tokenizer.json read as transformers 5 reads it: BOS and EOS come from the
+file's post-processor (the config's add_bos_token / add_eos_token are not consulted where there is a
+tokenizer.json), and the tokens it adds are BOS and EOS where the config names none."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.tokenizer import Tokenizer, load_tokenizer
+
+VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "[CLS]": 3, "[SEP]": 4, "hello": 5, "world": 6}
+
+
+def _folder(path, post_processor, config):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>", "[CLS]", "[SEP]"])
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _processors():
+    from tokenizers import processors
+
+    bos = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    eos = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 2)])
+    cls = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                        special_tokens=[("[CLS]", 3), ("[SEP]", 4)])
+    return {"bos": bos, "eos": eos, "cls": cls, "roberta": processors.RobertaProcessing(("</s>", 2), ("<s>", 1)),
+            "none": None}
+
+
+NAMED = {"bos_token": "<s>", "eos_token": "</s>"}
+CASES = {
+    "bos_template_no_config": ("bos", None),
+    "bos_template_config_names_only_eos": ("bos", {"eos_token": "</s>"}),
+    "cls_sep_template": ("cls", {"unk_token": "<unk>"}),
+    "roberta_with_add_eos_false": ("roberta", {**NAMED, "add_eos_token": False}),
+    "bos_template_with_add_eos_true": ("bos", {**NAMED, "add_eos_token": True}),
+    "eos_template_with_add_bos_true": ("eos", {**NAMED, "add_bos_token": True}),
+    "no_post_processor_with_add_bos_true": ("none", {**NAMED, "add_bos_token": True}),
+    "bos_template_with_add_bos_false": ("bos", {**NAMED, "add_bos_token": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_special_tokens_added_as_transformers_adds_them(tmp_path, case):
+    transformers = pytest.importorskip("transformers")
+    processor, config = CASES[case]
+    folder = _folder(tmp_path / "t", _processors()[processor], config)
+    ours, hf = Tokenizer.from_pretrained_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    for text in ("hello world", "world"):
+        assert ours.encode(text) == hf.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+    if case == "bos_template_no_config":  # a bare tokenizer.json too (load_tokenizer of the file)
+        assert load_tokenizer(folder / "tokenizer.json").encode("hello world") == [1, 5, 6]
+        assert ours.bos_id == 1
