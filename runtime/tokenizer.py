@@ -327,7 +327,8 @@ class Tokenizer:
         """The tokenizer in a GGUF file's metadata (runtime/gguf_tokenizer.py)."""
         g = load_gguf_tokenizer(path)
         if g.sentencepiece_proto is not None:
-            parts = _sentencepiece_parts_from_proto(g.sentencepiece_proto, str(path), {}, special_breaks_bytes=False)
+            parts = _sentencepiece_parts_from_proto(g.sentencepiece_proto, str(path), {}, special_breaks_bytes=False,
+                                                    split_user_defined=True)
         else:
             control = {i for i, t in enumerate(g.token_types) if t == TokenType.CONTROL}
             parts = _hf_parts(g.hf_tokenizer, str(path), decoder={"type": "ByteLevel"}, special=control)
@@ -460,9 +461,12 @@ def _sentencepiece_parts(path: Path, added: Mapping[int, tuple[str, bool]], *, s
 
 
 def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, tuple[str, bool]], *,
-                                    special_breaks_bytes: bool) -> _Parts:
+                                    special_breaks_bytes: bool, split_user_defined: bool = False) -> _Parts:
     """special_breaks_bytes (PieceTable's): decode as sentencepiece does (a bare .model), or as HF
-    tokenizers and llama.cpp do (a model folder's tokenizer.model, a GGUF's vocabulary)."""
+    tokenizers and llama.cpp do (a model folder's tokenizer.model, a GGUF's vocabulary).
+    split_user_defined: user-defined pieces (a GGUF's added tokens such as <|im_start|>) are split out
+    of the text before SentencePiece runs, the text after one starting afresh (with its own dummy
+    prefix), and decode as written: llama.cpp's rules for them."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
@@ -492,6 +496,10 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
         elif sp.is_control(i):
             table.append(piece.encode("utf-8"))
             special.add(i)
+            literal_text[piece] = i
+        elif split_user_defined and model.pieces[i].type == sp_pb2.ModelProto.SentencePiece.USER_DEFINED:
+            table.append(piece.encode("utf-8"))
+            literal_ids.add(i)
             literal_text[piece] = i
         else:
             table.append(piece.replace("\u2581", " ").encode("utf-8"))

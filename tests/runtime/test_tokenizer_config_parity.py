@@ -1,6 +1,9 @@
-"""A HF model folder's tokenizer.json read as transformers 5 reads it: BOS and EOS come from the
-file's post-processor (the config's add_bos_token / add_eos_token are not consulted where there is a
-tokenizer.json), and the tokens it adds are BOS and EOS where the config names none."""
+"""What a tokenizer's configuration adds to its vocabulary, read as the library it comes from reads it.
+
+A HF model folder's tokenizer.json, as transformers 5 reads it: BOS and EOS come from the file's
+post-processor (the config's add_bos_token / add_eos_token are not consulted where there is a
+tokenizer.json), and the tokens it adds are BOS and EOS where the config names none. A GGUF
+SentencePiece vocabulary's user-defined tokens, as llama.cpp encodes them."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import json
 import pytest
 
 from runtime.tokenizer import Tokenizer, load_tokenizer
+from tests.testing.data import shared_data_dir
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "[CLS]": 3, "[SEP]": 4, "hello": 5, "world": 6}
 
@@ -65,3 +69,42 @@ def test_special_tokens_added_as_transformers_adds_them(tmp_path, case):
     if case == "bos_template_no_config":  # a bare tokenizer.json too (load_tokenizer of the file)
         assert load_tokenizer(folder / "tokenizer.json").encode("hello world") == [1, 5, 6]
         assert ours.bos_id == 1
+
+
+def test_gguf_sentencepiece_user_defined_tokens_split_as_llama_cpp_splits_them(tmp_path):
+    """llama.cpp splits USER_DEFINED tokens (a converter's non-special added tokens) out of the text
+    as it does CONTROL ones, and the text after one starts afresh with its own space prefix; they
+    decode as written and are not skipped as special."""
+    import gguf
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    from runtime.gguf_tokenizer import read_gguf_metadata
+
+    meta = read_gguf_metadata(shared_data_dir() / "tokenizers" / "ggml-vocab" / "ggml-vocab-llama-spm.gguf")
+    tokens = [*meta["tokenizer.ggml.tokens"], "<|im_start|>", "<|im_end|>"]
+    w = gguf.GGUFWriter(str(tmp_path / "chat.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([*meta["tokenizer.ggml.scores"], 0.0, 0.0])
+    w.add_token_types([*meta["tokenizer.ggml.token_type"], gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(tmp_path / "chat.gguf")
+    # llama.cpp runs SentencePiece on each piece of text between them, a space put before each
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString((shared_data_dir() / "tokenizers" / "llama2_tokenizer.model").read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = False
+    sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    start, end = 32000, 32001
+    cases = {"<|im_start|>user\nHi<|im_end|>": [start, *sp.encode(" user\nHi"), end],
+             "Hello<|im_start|>world": [*sp.encode(" Hello"), start, *sp.encode(" world")],
+             "a <|im_start|> b": [*sp.encode(" a "), start, *sp.encode("  b")]}
+    for text, want in cases.items():
+        assert tok.encode(text, add_special_tokens=False) == want, text
+    # not special (a CONTROL token is skipped); the pieces after it keep their spaces, as in llama.cpp
+    assert tok.decode([start, *sp.encode(" Hi"), end]) == "<|im_start|> Hi"
