@@ -263,6 +263,8 @@ class Tokenizer:
         if (d / "tokenizer.json").is_file():
             parts = _hf_json_parts(d / "tokenizer.json", {**special_map, **cfg})
         elif (d / "tokenizer.model").is_file():
+            if cfg.get("split_special_tokens"):
+                raise ValueError(f"{d}: split_special_tokens is supported with a tokenizer.json, not a tokenizer.model")
             # decoded as transformers' (fast) tokenizer built from it does
             parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False)
         else:
@@ -559,6 +561,8 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
     # ignores both settings of the file too.
     tok.no_truncation()
     tok.no_padding()
+    # transformers' split_special_tokens: special tokens written in the text are encoded as text
+    tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
     special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
     parts = _hf_parts(tok, str(path), decoder=spec.get("decoder"), special=special)
     probe = tok.encode("", add_special_tokens=True).ids

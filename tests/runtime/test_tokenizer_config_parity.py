@@ -71,6 +71,18 @@ def test_special_tokens_added_as_transformers_adds_them(tmp_path, case):
         assert ours.bos_id == 1
 
 
+
+def test_split_special_tokens_encodes_them_as_text(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = _folder(tmp_path / "t", _processors()["bos"], {**NAMED, "split_special_tokens": True})
+    ours, hf = Tokenizer.from_pretrained_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    text = "hello </s> world<s>"
+    assert ours.encode(text) == hf.encode(text) and 2 not in ours.encode(text)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"")
+    with pytest.raises(ValueError, match="split_special_tokens is supported with a tokenizer.json"):
+        Tokenizer.from_pretrained_dir(folder)
+
 def test_gguf_sentencepiece_user_defined_tokens_split_as_llama_cpp_splits_them(tmp_path):
     """llama.cpp splits USER_DEFINED tokens (a converter's non-special added tokens) out of the text
     as it does CONTROL ones, and the text after one starts afresh with its own space prefix; they
