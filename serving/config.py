@@ -111,7 +111,7 @@ class ServerConfig:
         if self.port is None and self.grpc_port is None:
             raise ValueError("both port and grpc_port are None: nothing would be served")
         if self.chat_template_text is not None:  # a missing or broken template fails now, not after the model loads
-            from runtime.tokenizer import compile_chat_template
+            from runtime.chat_template import compile_chat_template
 
             compile_chat_template(self.chat_template_text)
 

@@ -138,7 +138,7 @@ class ServingCore:
         eng = engine.engine
         cfg, mcfg = eng.config, eng.model.config
         self.engine, self.tokenizer = engine, tokenizer
-        from runtime.tokenizer import compile_chat_template
+        from runtime.chat_template import compile_chat_template
 
         self._chat_template, self._chat_unavailable = chat_template, None
         if chat_template is not None:

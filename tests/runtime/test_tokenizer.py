@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from runtime.detokenizer import StripMode
 from runtime.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer, read_gguf_metadata
-from runtime.tokenizer import Tokenizer, _cut_after_final_message, load_tokenizer
+from runtime.chat_template import cut_after_final_message
+from runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.testing.data import shared_data_dir, smollm2_gguf_path, write_bpe_gguf
 
 GGML_VOCABS = ("llama-bpe", "llama-spm", "qwen2")
@@ -487,7 +488,7 @@ def test_continue_final_message_matches_transformers(qwen2_pair, last):
                                  continue_final_message=True)
     # content parts: the last text part is continued, as in transformers
     parts = [{"type": "text", "text": "One"}, {"type": "image"}, {"type": "text", "text": "Two"}]
-    assert _cut_after_final_message("<a>One Two</a>", [{"role": "assistant", "content": parts}]) == "<a>One Two"
+    assert cut_after_final_message("<a>One Two</a>", [{"role": "assistant", "content": parts}]) == "<a>One Two"
 
 
 def test_chat_template_errors(tmp_path):
