@@ -563,7 +563,8 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
     tok.no_padding()
     # transformers' split_special_tokens: special tokens written in the text are encoded as text
     tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
-    special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
+    _add_config_tokens(tok, spec, cfg, path)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     parts = _hf_parts(tok, str(path), decoder=spec.get("decoder"), special=special)
     probe = tok.encode("", add_special_tokens=True).ids
     bos = _token_content(cfg.get("bos_token"))
@@ -582,6 +583,42 @@ def _hf_json_parts(path: Path, cfg: Mapping[str, Any]) -> _Parts:
     if parts.add_bos and parts.eos_id == parts.bos_id and len(probe) == 1:
         parts.add_eos = False
     return parts
+
+
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "cls_token", "sep_token", "mask_token")
+_ADDED_FLAGS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _add_config_tokens(tok, spec: Mapping[str, Any], cfg: Mapping[str, Any], path: Path) -> None:
+    """Add what tokenizer_config.json declares and tokenizer.json lacks, as transformers 5 does: its
+    added_tokens_decoder entries (one tokenizer.json holds with other flags takes the config's), then
+    the named and additional special tokens."""
+    from tokenizers import AddedToken
+
+    have = {t["id"]: t for t in spec.get("added_tokens", ())}
+    entries = cfg.get("added_tokens_decoder") or {}
+    for key, v in sorted(entries.items(), key=lambda kv: int(kv[0])):
+        tid = int(key)
+        if not isinstance(v, Mapping) or not isinstance(v.get("content"), str):
+            raise ValueError(f"{path.parent}: tokenizer_config.json added_tokens_decoder[{key}] has no content string")
+        if tid in have and all(have[tid].get(f) == v.get(f) for f in _ADDED_FLAGS):
+            continue
+        is_special = bool(v.get("special", False))
+        token = AddedToken(v["content"], special=is_special, single_word=bool(v.get("single_word", False)),
+                           lstrip=bool(v.get("lstrip", False)), rstrip=bool(v.get("rstrip", False)),
+                           normalized=bool(v.get("normalized", not is_special)))
+        (tok.add_special_tokens if is_special else tok.add_tokens)([token])
+        got = tok.token_to_id(v["content"])
+        if got != tid:
+            raise ValueError(f"{path.parent}: tokenizer_config.json declares {v['content']!r} as token {tid}, "
+                             f"but the vocabulary gives it id {got}")
+    extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or ()
+    named = [cfg.get(n) for n in _NAMED_SPECIAL] + list(extra.values() if isinstance(extra, Mapping) else extra)
+    present = {t.content for t in tok.get_added_tokens_decoder().values()}
+    for content in map(_token_content, named):
+        if isinstance(content, str) and content and content not in present:
+            tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+            present.add(content)
 
 
 def _hf_parts(tok, source: str, decoder: Mapping[str, Any] | None, special: set[int]) -> _Parts:

@@ -17,13 +17,13 @@ from tests.testing.data import shared_data_dir
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "[CLS]": 3, "[SEP]": 4, "hello": 5, "world": 6}
 
 
-def _folder(path, post_processor, config):
+def _folder(path, post_processor, config, specials=("<unk>", "<s>", "</s>", "[CLS]", "[SEP]")):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
 
     tok = HFTokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>", "[CLS]", "[SEP]"])
+    tok.add_special_tokens(list(specials))
     if post_processor is not None:
         tok.post_processor = post_processor
     path.mkdir()
@@ -71,6 +71,38 @@ def test_special_tokens_added_as_transformers_adds_them(tmp_path, case):
         assert ours.bos_id == 1
 
 
+
+def test_tokens_the_config_declares_are_added_as_transformers_adds_them(tmp_path):
+    """tokenizer_config.json's added_tokens_decoder entries tokenizer.json lacks (or holds with other
+    flags), and named special tokens it does not list, are matched in text as transformers matches them."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken
+
+    decl = {"content": "<tok>", "special": True, "normalized": False, "lstrip": True, "rstrip": True,
+            "single_word": False}
+    texts = ("hello <s> world </s>", "hello <tok> world", " <tok>hello", "<unk>")
+    for i, in_json in enumerate((False, True)):  # the entry missing from tokenizer.json; there, with other flags
+        folder = _folder(tmp_path / f"t{i}", None, {**NAMED, "added_tokens_decoder": {"7": decl}})
+        if in_json:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            tok.add_special_tokens([AddedToken("<tok>", special=True, normalized=False)])
+            tok.save(str(folder / "tokenizer.json"))
+        ours, hf = Tokenizer.from_pretrained_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+        assert ours.vocab_size == len(hf) == 8
+        for text in texts:
+            assert ours.encode(text) == hf.encode(text), (in_json, text)
+        assert ours.decode(ours.encode("hello <tok> world")) == hf.decode(hf.encode("hello <tok> world"),
+                                                                         skip_special_tokens=True)
+    # named special tokens tokenizer.json does not list as added tokens
+    folder = _folder(tmp_path / "named", None, {**NAMED, "additional_special_tokens": ["[CLS]"]}, specials=())
+    ours, hf = Tokenizer.from_pretrained_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    for text in ("hello <s> [CLS] world</s>", "[SEP] <s>"):
+        assert ours.encode(text) == hf.encode(text) and (1 in ours.encode(text)) == ("<s>" in text), text
+    folder = _folder(tmp_path / "bad", None, {"added_tokens_decoder": {"9": decl}})  # 9 would leave a gap
+    with pytest.raises(ValueError, match="declares '<tok>' as token 9, but the vocabulary gives it id 7"):
+        Tokenizer.from_pretrained_dir(folder)
 
 def test_split_special_tokens_encodes_them_as_text(tmp_path):
     transformers = pytest.importorskip("transformers")
