@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gguf.constants import TokenType
 
@@ -432,14 +432,26 @@ class _Parts:
         return self._ids.get(piece)
 
 
+class _Added(NamedTuple):
+    """A tokenizer_config.json added token, for a SentencePiece model: matched in text literally."""
+
+    content: str
+    special: bool
+    lstrip: bool = False  # takes the whitespace before it
+    rstrip: bool = False  # and after it
+
+
 class _SentencePieceEncoder:
     """SentencePiece, with special tokens written in the text matched first (sentencepiece itself
     leaves `<s>` as literal characters). Like llama.cpp, each stretch of text between special
     tokens gets its own dummy-prefix space."""
 
-    def __init__(self, processor, literal: Mapping[str, int]):
+    def __init__(self, processor, literal: Mapping[str, int], strips: Mapping[str, tuple[bool, bool]] = {}):
+        """strips: (lstrip, rstrip) of the added tokens that take the whitespace beside them (HF's
+        AddedToken flags, from a tokenizer_config.json)."""
         self._sp = processor
         self._literal = dict(literal)
+        self._strips = dict(strips)
         alternatives = "|".join(re.escape(s) for s in sorted(self._literal, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})") if alternatives else None
 
@@ -447,7 +459,14 @@ class _SentencePieceEncoder:
         if self._split is None:
             return self._sp.encode(text)
         ids: list[int] = []
-        for k, part in enumerate(self._split.split(text)):
+        parts = self._split.split(text)
+        for k in range(1, len(parts), 2):  # (the text around a literal is parts[k - 1] and parts[k + 1])
+            lstrip, rstrip = self._strips.get(parts[k], (False, False))
+            if lstrip:
+                parts[k - 1] = parts[k - 1].rstrip()
+            if rstrip:
+                parts[k + 1] = parts[k + 1].lstrip()
+        for k, part in enumerate(parts):
             if k % 2:
                 ids.append(self._literal[part])
             elif part:
@@ -455,14 +474,14 @@ class _SentencePieceEncoder:
         return ids
 
 
-def _sentencepiece_parts(path: Path, added: Mapping[int, tuple[str, bool]], *, special_breaks_bytes: bool) -> _Parts:
+def _sentencepiece_parts(path: Path, added: Mapping[int, _Added], *, special_breaks_bytes: bool) -> _Parts:
     if not path.is_file():
         raise FileNotFoundError(f"SentencePiece model {path} does not exist")
     return _sentencepiece_parts_from_proto(path.read_bytes(), str(path), added,
                                            special_breaks_bytes=special_breaks_bytes)
 
 
-def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, tuple[str, bool]], *,
+def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, _Added], *,
                                     special_breaks_bytes: bool, split_user_defined: bool = False) -> _Parts:
     """special_breaks_bytes (PieceTable's): decode as sentencepiece does (a bare .model), or as HF
     tokenizers and llama.cpp do (a model folder's tokenizer.model, a GGUF's vocabulary).
@@ -506,7 +525,8 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
         else:
             table.append(piece.replace("\u2581", " ").encode("utf-8"))
     # Tokens a tokenizer_config.json adds (a <pad> appended by a fine-tune) are matched literally.
-    for tid, (content, is_special) in sorted(added.items()):
+    strips = {}
+    for tid, (content, is_special, lstrip, rstrip) in sorted(added.items()):
         if tid < n:
             if pieces[tid] != content:
                 raise ValueError(f"{source}: added token {tid} is {content!r} but the model has {pieces[tid]!r}")
@@ -519,16 +539,18 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
         literal_ids.add(tid)
         if is_special:
             special.add(tid)
+        if lstrip or rstrip:
+            strips[content] = (lstrip, rstrip)
     norm = model.normalizer_spec
-    strips = norm.add_dummy_prefix or norm.remove_extra_whitespaces
+    dummy_prefix = norm.add_dummy_prefix or norm.remove_extra_whitespaces
     opt = lambda i: i if i >= 0 else None  # noqa: E731
     return _Parts(
-        _SentencePieceEncoder(sp, literal_text),
+        _SentencePieceEncoder(sp, literal_text, strips),
         PieceTable(
             pieces=tuple(table),
             special_ids=frozenset(special),
             literal_ids=frozenset(literal_ids),
-            strip=StripMode.FIRST_PIECE if strips else StripMode.NONE,
+            strip=StripMode.FIRST_PIECE if dummy_prefix else StripMode.NONE,
             invalid=InvalidBytes.PER_BYTE,
             special_breaks_bytes=special_breaks_bytes,
         ),
@@ -756,9 +778,10 @@ def _id_list(v: Any) -> list[int]:
     return [int(x) for x in v] if isinstance(v, list) else [int(v)]
 
 
-def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, tuple[str, bool]]:
+def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, _Added]:
     added = cfg.get("added_tokens_decoder", {})
-    return {int(k): (v["content"], bool(v.get("special", False))) for k, v in added.items()}
+    return {int(k): _Added(v["content"], bool(v.get("special", False)), bool(v.get("lstrip", False)),
+                           bool(v.get("rstrip", False))) for k, v in added.items()}
 
 
 def _config_chat_templates(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:

@@ -152,3 +152,25 @@ def test_gguf_sentencepiece_user_defined_tokens_split_as_llama_cpp_splits_them(t
         assert tok.encode(text, add_special_tokens=False) == want, text
     # not special (a CONTROL token is skipped); the pieces after it keep their spaces, as in llama.cpp
     assert tok.decode([start, *sp.encode(" Hi"), end]) == "<|im_start|> Hi"
+
+
+def test_tokenizer_model_folder_added_tokens_take_the_whitespace_their_flags_say(tmp_path):
+    """A folder with a tokenizer.model only: added_tokens_decoder's lstrip / rstrip take the
+    whitespace beside the token, as transformers' tokenizer built from the model does."""
+    transformers = pytest.importorskip("transformers")
+
+    def entry(content, **flags):
+        return {"content": content, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+                "special": True, **flags}
+
+    model = shared_data_dir() / "tokenizers" / "llama2_tokenizer.model"
+    (tmp_path / "tokenizer.model").write_bytes(model.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "added_tokens_decoder": {"0": entry("<unk>"), "1": entry("<s>"), "2": entry("</s>"),
+                                 "32000": entry("<|im_start|>", lstrip=True),
+                                 "32001": entry("<|im_end|>", rstrip=True)}}))
+    ours, hf = Tokenizer.from_pretrained_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a   <|im_start|>b", "a<|im_end|>   b",
+                 "a <|im_end|> <|im_start|> b"):
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
