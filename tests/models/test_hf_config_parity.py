@@ -14,6 +14,7 @@ from models.config import ModelConfig, rope_inv_freq  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.formats.base import CheckpointError  # noqa: E402
 from tests.testing.greedy import greedy_generate  # noqa: E402
+from tests.testing.hf_models import random_hf_model  # noqa: E402
 from tests.tolerances import MODEL_LOGITS_F32  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -22,14 +23,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 
 
 def save_random_model(path, cfg_cls: str, model_cls: str, **extra):
-    cfg = getattr(transformers, cfg_cls)(**SMALL, **extra, attn_implementation="eager")
-    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so they are tested
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
+    random_hf_model(cfg_cls, model_cls, **SMALL, **extra).save_pretrained(path)
 
 
 def edit_config(path, fn) -> dict:

@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from runtime.checkpoint import load_model  # noqa: E402
 from tests.testing.greedy import greedy_generate  # noqa: E402
+from tests.testing.hf_models import random_hf_model  # noqa: E402
 from tests.tolerances import MODEL_LOGITS_F32  # noqa: E402
 
 PROMPT_LEN = 64
@@ -45,13 +46,7 @@ CASES = {
 def make_hf_checkpoint(case: str, path, seed: int = 0):
     """Save a random-weight tiny HF model of `case` with save_pretrained; returns the torch model."""
     cfg_cls, model_cls, extra = CASES[case]
-    cfg = getattr(transformers, cfg_cls)(**BASE, **extra, attn_implementation="eager")
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so they are tested
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = random_hf_model(cfg_cls, model_cls, seed, **BASE, **extra)
     model.save_pretrained(path)
     return model
 

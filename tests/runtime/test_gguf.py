@@ -21,6 +21,7 @@ from models.config import RopeScaling  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.formats.base import CheckpointError  # noqa: E402
 from runtime.formats.gguf import GGUFSource  # noqa: E402
+from tests.testing import hf_models  # noqa: E402
 from tests.testing.data import smollm2_gguf_path  # noqa: E402
 from tests.testing.greedy import greedy_generate, hf_greedy, steps_before_near_tie  # noqa: E402
 from tests.tolerances import GGUF_LOGITS_F32, MODEL_LOGITS_F32  # noqa: E402
@@ -171,18 +172,11 @@ def test_quant_type_matches_dequantize_and_safetensors(qtype, tmp_path):
 # ------------------------------------------------------------------- layouts vs HF transformers
 
 HF_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-               rms_norm_eps=1e-6, initializer_range=0.25, attn_implementation="eager")
+               rms_norm_eps=1e-6, initializer_range=0.25)
 
 
 def random_hf_model(cfg_cls: str, model_cls: str, **kw):
-    cfg = getattr(transformers, cfg_cls)(**HF_BASE, **kw)
-    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so they are tested
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return hf_models.random_hf_model(cfg_cls, model_cls, **HF_BASE, **kw)
 
 
 def model_to_gguf(model, path, arch: str, *, meta=None, extra=None) -> None:
