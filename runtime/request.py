@@ -32,6 +32,13 @@ _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
 _ALL_TOKENS = 2**31 - 1  # a top_k at least this keeps every token (the sampling rows hold it as an int32)
 _F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+# The sampler scales logits by 1 / temperature (XLA's rewrite of the division). Up to this, a
+# logit above 1e-8 in magnitude stays a normal float32 when scaled; past ~8.5e37 the reciprocal
+# itself is subnormal, flushed to 0, and every token ties (top-k and top-p then kept them all).
+MAX_TEMPERATURE = 1e30
+# Logits are divided or multiplied by the repetition penalty in float32: within these they stay
+# finite (for |logits| up to ~3e8), so penalised tokens keep their order.
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,9 @@ class SamplingParams:
 
     top_k 0 (or -1) and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy, and
     so is one below GREEDY_BELOW (vLLM's rule: logits divided by it would overflow float32). The
-    float settings must lie within float32's range, which the sampler computes in.
+    float settings must lie within float32's range, which the sampler computes in; temperature at
+    most MAX_TEMPERATURE and repetition_penalty within REPETITION_PENALTY_RANGE, where the scaled or
+    penalised logits stay finite float32s in their order.
     max_tokens None means "until max_model_len". logprobs None returns none; an int asks for the
     sampled token's logprob plus that many top alternatives (the engine enforces its own cap).
     logit_bias maps token ids to a value in [-100, 100] added to their logits before the penalties
@@ -119,17 +128,19 @@ class SamplingParams:
             if abs(v) > _F32_MAX:
                 fail(f"{name} must be within float32's range (|x| <= {_F32_MAX:.4g}), got {v:g}")
 
-        if not self.temperature >= 0:
-            fail(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (the sampler scales by its reciprocal in "
+                 f"float32), got {self.temperature:g}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             fail(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty >= _F32_TINY:  # (logits are divided by it in float32)
-            fail(f"repetition_penalty must be a number > 0 (at least float32's smallest normal, {_F32_TINY:.4g}), "
-                 f"got {self.repetition_penalty:g}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            fail(f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (logits are divided or multiplied by it "
+                 f"in float32), got {self.repetition_penalty:g}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -124,8 +124,14 @@ def test_sampling_params_validation():
     for name, v in (("temperature", 1e300), ("top_p", -1e39), ("presence_penalty", 1e39)):
         with pytest.raises(ValueError, match=f"{name} must be within float32's range"):
             SamplingParams(**{name: v})
-    with pytest.raises(ValueError, match=r"repetition_penalty must be a number > 0 \(at least float32's smallest"):
-        SamplingParams(repetition_penalty=1e-50)
+    # past these, the float32 logits the sampler computes overflow or every token ties (a top-k
+    # or top-p filter then kept every token, an all-inf row sampled id 0)
+    for v in (1e-50, 1.2e-38, 3e38):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[1e-30, 1e\+30\]"):
+            SamplingParams(repetition_penalty=v)
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[0, 1e\+30\]"):
+        SamplingParams(temperature=1e38)
+    assert SamplingParams(temperature=1e30, repetition_penalty=1e30).temperature == 1e30
     assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-5).temperature == 1e-5
     h = Harness(num_pages=64, page_size=4, max_model_len=32)
     with pytest.raises(ValueError, match=r"min_tokens 30 is more than the 27 tokens it can generate \(max_model_len 32 - prompt 5\)"):
