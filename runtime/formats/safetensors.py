@@ -148,6 +148,12 @@ class SafetensorsSource:
         self.dtype = next((f.dtype_of(n) for n, f in self._where.items() if n.endswith("_proj.weight")), np.dtype(np.float32))
         if self.config.tie_word_embeddings and not self._stored_head_is_the_embedding():
             self.config = self.config.replace(tie_word_embeddings=False)
+        # A tied checkpoint may store the shared matrix as the head alone: transformers 5 then ties the
+        # embedding to it (PreTrainedModel.tie_weights), so it is read as the embedding.
+        self._stored_as = {}
+        if (self.config.tie_word_embeddings and "model.embed_tokens.weight" not in self._where
+                and "lm_head.weight" in self._where):
+            self._stored_as["model.embed_tokens.weight"] = "lm_head.weight"
 
     def _stored_head_is_the_embedding(self) -> bool:
         """False where the checkpoint stores an lm_head.weight that differs from the embedding: as
@@ -174,13 +180,14 @@ class SafetensorsSource:
         return p
 
     def keys(self):
-        return self._where.keys()
+        return self._where.keys() | self._stored_as.keys()
 
     def get(self, name: str) -> np.ndarray:
-        f = self._where.get(name)
+        stored = self._stored_as.get(name, name)
+        f = self._where.get(stored)
         if f is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        return f.get(name)
+        return f.get(stored)
 
     def tokenizer_path(self) -> Path | None:
         return self.path if any((self.path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")) else None

@@ -173,6 +173,30 @@ def test_extra_tensors_real_checkpoints_carry_still_load(hf_dir, tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+def test_tied_checkpoint_storing_only_the_head_reads_it_as_the_embedding(hf_dir, tmp_path):
+    """A tied checkpoint may hold the shared matrix as lm_head.weight alone; transformers 5 ties the
+    embedding to it (this failed as a missing model.embed_tokens.weight)."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(hf_dir, tmp_path / "head_only")
+    cfg = json.loads((d / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(d / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(d / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert np.array_equal(hf.model.embed_tokens.weight.detach().numpy(), tensors["lm_head.weight"])
+    loaded = load_model(d, dtype="float32", progress=False)
+    assert loaded.config.tie_word_embeddings
+    prompt = np.random.default_rng().integers(0, BASE["vocab_size"], 20).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    atol, rtol = MODEL_LOGITS_F32
+    np.testing.assert_allclose(greedy_generate(loaded, prompt, 1).prompt_logits, ref, atol=atol, rtol=rtol)
+
+
 def test_tied_config_with_a_different_stored_head_loads_it_untied_as_transformers_does(hf_dir, tmp_path, caplog):
     """transformers 5 (PreTrainedModel.tie_weights) warns and does not tie when the checkpoint stores
     an lm_head.weight that differs from the embedding; dropping it gave other logits."""
