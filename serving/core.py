@@ -551,15 +551,16 @@ def _check_messages(messages) -> list[dict]:
             raise InvalidRequest(f"messages[{i}].role is {role!r}; expected one of {', '.join(_CHAT_ROLES)}",
                                  param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts are supported
+        if isinstance(content, list):  # content parts: text (and an assistant's refusal), one a line as vLLM
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                    raise InvalidRequest(f"messages[{i}].content[{j}] has type {kind!r}; only text parts are "
-                                         "supported", param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                field = "refusal" if kind == "refusal" and role == "assistant" else "text"
+                if kind != field or not isinstance(part.get(field), str):
+                    raise InvalidRequest(f"messages[{i}].content[{j}] has type {kind!r}; only text parts (and an "
+                                         "assistant's refusal parts) are supported", param="messages")
+                texts.append(part[field])
+            content = "\n".join(texts)
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):

@@ -349,7 +349,9 @@ class _Formatter:
 
     def _chunk(self, choices: list) -> dict:
         c = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
-        if self.req.include_usage:
+        if self.req.continuous_usage:
+            c["usage"] = usage(self.num_prompt, self.completion_tokens, sum(self.cached))
+        elif self.req.include_usage:
             c["usage"] = None
         return c
 
@@ -383,8 +385,7 @@ class _Formatter:
                 choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": co.finish_reason}
             else:
                 choice = {"index": index, "text": co.new_text, "logprobs": lp, "finish_reason": co.finish_reason}
-            if newly_done and co.stop_reason is not None:
-                choice["stop_reason"] = co.stop_reason
+            choice["stop_reason"] = co.stop_reason if newly_done else None  # (null but where one matched, as vLLM)
             chunks.append(self._chunk([choice]))
         return chunks
 
@@ -416,7 +417,6 @@ class _Formatter:
                           "finish_reason": co.finish_reason}
             else:
                 choice = {"index": index, "text": co.text, "logprobs": lp, "finish_reason": co.finish_reason}
-            if co.stop_reason is not None:
-                choice["stop_reason"] = co.stop_reason
+            choice["stop_reason"] = co.stop_reason
             choices.append(choice)
         return choices

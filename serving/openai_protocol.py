@@ -25,6 +25,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM)
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list | None = None
@@ -73,6 +74,8 @@ def _integer(body, name, default, *, lo=None, hi=None):
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
+    if isinstance(v, float) and v.is_integer():  # 2.0: an integer, as pydantic (vLLM) reads it
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise InvalidRequest(f"{name} must be an integer, got {v!r}", param=name)
     if lo is not None and v < lo:
@@ -152,7 +155,10 @@ def _refuse(body, name, allowed=(None,), why="is not supported", empty_ok=True):
 
 
 def check_model(body: dict, served: str) -> None:
+    """The request's model names the served one; left out or null it means it (as in vLLM)."""
     model = body.get("model")
+    if model is None:
+        return
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string naming the served model "
                              f"({served!r})", param="model")
@@ -161,15 +167,21 @@ def check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def _stream_opts(body, stream: bool) -> bool:
+def _stream_opts(body, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options: a usage chunk before [DONE], and
+    vLLM's usage so far on every chunk, which needs include_usage (as in vLLM)."""
     so = body.get("stream_options")
     if so is None:
-        return False
+        return False, False
     if not isinstance(so, dict):
         raise InvalidRequest(f"stream_options must be an object, got {so!r}", param="stream_options")
     if not stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    return _boolean(so, "include_usage", False)
+    include, continuous = _boolean(so, "include_usage", False), _boolean(so, "continuous_usage_stats", False)
+    if continuous and not include:
+        raise InvalidRequest("stream_options.continuous_usage_stats needs include_usage to be true",
+                             param="stream_options")
+    return include, continuous
 
 
 def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[SamplingParams, int, str | None]:
@@ -226,7 +238,7 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
 def parse_completion(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
     stream = _boolean(body, "stream", False)
-    include_usage = _stream_opts(body, stream)
+    include_usage, continuous = _stream_opts(body, stream)
     prompt = body.get("prompt", _MISSING)
     text = ids = batch = None
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -249,8 +261,8 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     max_tokens = _integer(body, "max_tokens", 16, lo=1)
     logprobs = _integer(body, "logprobs", None, lo=0)
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=logprobs)
-    return ParsedRequest("completion", params, stream, include_usage, text=text, token_ids=ids, priority=priority,
-                         cache_salt=salt, prompts=batch)
+    return ParsedRequest("completion", params, stream, include_usage, continuous, text=text, token_ids=ids,
+                         priority=priority, cache_salt=salt, prompts=batch)
 
 
 def _token_ids(v: list) -> bool:
@@ -262,7 +274,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
     _refuse(body, "audio")
     stream = _boolean(body, "stream", False)
-    include_usage = _stream_opts(body, stream)
+    include_usage, continuous = _stream_opts(body, stream)
     messages = chat_messages(body)
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
@@ -272,7 +284,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     if top is not None and not want:
         raise InvalidRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
-    return ParsedRequest("chat", params, stream, include_usage, messages=messages, priority=priority,
+    return ParsedRequest("chat", params, stream, include_usage, continuous, messages=messages, priority=priority,
                          cache_salt=salt, chat_logprobs=want, chat=parse_chat_options(body))
 
 

@@ -64,6 +64,24 @@ def test_completion_stream(client, include_usage):
         assert all(c.usage is None for c in chunks[:-1])
     else:
         assert all(c.choices and getattr(c, "usage", None) is None for c in chunks)
+    # vLLM's stop_reason on every choice: null where no stop string or stop token id ended it
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in text_chunks)
+    assert whole.choices[0].model_extra["stop_reason"] is None
+
+
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    for chat in (False, True):
+        create, kw = ((client.chat.completions.create, dict(messages=[{"role": "user", "content": "A story"}]))
+                      if chat else (client.completions.create, dict(prompt=PROMPT)))
+        chunks = list(create(model=MODEL_NAME, max_tokens=6, temperature=0, stream=True, **kw,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert all(c.usage is not None for c in chunks) and not chunks[-1].choices
+        text = [c for c in chunks if c.choices and (c.choices[0].delta.content if chat else c.choices[0].text)]
+        assert [c.usage.completion_tokens for c in text] == list(range(1, 7))
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError, match="continuous_usage_stats needs include_usage"):
+            create(model=MODEL_NAME, max_tokens=2, stream=True, **kw, stream_options={"continuous_usage_stats": True})
 
 
 def test_stream_ends_with_done(server):
@@ -145,6 +163,7 @@ def test_chat_logprobs(client):
 def test_stop_string(client):
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, stop=[" little"])
     assert r.choices[0].text == ", there was a" and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == " little"
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
                                             stop=" little", stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ", there was a"
@@ -394,6 +413,29 @@ def test_chat_rendering_options(client, server):
     with pytest.raises(openai.BadRequestError, match="does not write the last message's content"):
         client.chat.completions.create(model=MODEL_NAME, messages=msgs[:1] + [{"role": "assistant", "content": ""}],
                                        max_tokens=3, extra_body={"continue_final_message": True})
+
+
+def test_chat_content_parts(server):
+    """Text parts are joined one a line, as vLLM joins them; an assistant's refusal part (OpenAI's
+    replayed refusals) reads as its text; other parts are refused."""
+    tok = server.engine.tokenizer
+
+    def tokens(msgs):
+        r = httpx.post(server.http_url + "/tokenize", json={"messages": msgs})
+        return r.status_code, r.json()
+
+    parts = [{"type": "text", "text": "A story"}, {"type": "text", "text": "about a cat"}]
+    assert tokens([{"role": "user", "content": parts}])[1]["tokens"] == tokens(
+        [{"role": "user", "content": "A story\nabout a cat"}])[1]["tokens"]
+    refused = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}]
+    assert tokens(refused)[1]["tokens"] == tok.encode("<s>user: x\nassistant: I can't.\nassistant:",
+                                                        add_special_tokens=False)
+    for msgs in ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 [{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}]):
+        status, body = tokens(msgs)
+        assert status == 400 and "only text parts" in body["error"]["message"], msgs
 
 
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("allowed_token_ids", [5]), ("bad_words", ["a"]),

@@ -111,8 +111,26 @@ def test_model_checks():
     with pytest.raises(NotFound) as e:
         parse_completion({"model": "other", "prompt": "x"}, M)
     assert e.value.status == 404 and e.value.code == "model_not_found" and "'other'" in e.value.message
-    with pytest.raises(InvalidRequest):
-        parse_completion({"prompt": "x"}, M)
+    for bad in ("", 5):
+        with pytest.raises(InvalidRequest, match="model must be a non-empty string"):
+            parse_completion({"model": bad, "prompt": "x"}, M)
+    # left out or null: the served model, as vLLM reads it
+    assert parse_completion({"prompt": "x"}, M).text == parse_completion({"model": None, "prompt": "x"}, M).text == "x"
+
+
+def test_integral_floats_are_integers_as_pydantic_reads_them():
+    r = completion(max_tokens=2.0, n=1.0, seed=7.0, logprobs=3.0)
+    assert (r.params.max_tokens, r.params.n, r.params.seed, r.params.logprobs) == (2, 1, 7, 3)
+    assert all(type(v) is int for v in (r.params.max_tokens, r.params.n, r.params.seed, r.params.logprobs))
+
+
+def test_stream_options():
+    assert completion(stream=True, stream_options={}).include_usage is False
+    r = completion(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert r.include_usage and r.continuous_usage
+    with pytest.raises(InvalidRequest, match="continuous_usage_stats needs include_usage") as e:
+        completion(stream=True, stream_options={"continuous_usage_stats": True})
+    assert e.value.param == "stream_options"
 
 
 def test_chat_parsing():
