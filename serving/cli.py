@@ -88,6 +88,8 @@ _SERVE_FLAGS = [
     ("--served-model-name", "server", "served_model_name", dict(help="the model name clients send")),
     ("--chat-template", "server", "chat_template", dict(help="jinja chat template replacing the model's: a file, or the template itself (text with '{')")),
     ("--api-key", "server", "api_keys", dict(action="append", help="require this API key (repeatable)")),
+    ("--allowed-origin", "server", "allowed_origins",
+     dict(action="append", help="answer browser requests from this origin (CORS; repeatable; '*': any)")),
     ("--tls-certfile", "server", "tls_certfile", dict(help="PEM certificate: HTTPS and gRPC TLS")),
     ("--tls-keyfile", "server", "tls_keyfile", dict(help="PEM private key of --tls-certfile")),
     ("--tls-ca-certfile", "server", "tls_ca_certfile", dict(help="require client certificates from this CA (mTLS)")),
@@ -140,7 +142,7 @@ def _serve_settings(args):
             mesh = over["engine"].setdefault("mesh", dict((data.get("engine") or {}).get("mesh") or {}))
             mesh[key.removeprefix("mesh.")] = v
         else:
-            over[section][key] = tuple(v) if key == "api_keys" else v
+            over[section][key] = tuple(v) if key in ("api_keys", "allowed_origins") else v
     return build_settings(data, over)
 
 

@@ -48,6 +48,9 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` clients send; default: the checkpoint's name
     chat_template: str | None = None  # a jinja file (or inline template) replacing the model's own
     api_keys: tuple[str, ...] = ()  # when set, every route except health needs one of them
+    # browser origins the HTTP API answers cross-origin (CORS), e.g. "https://app.example.com"; "*": any.
+    # None by default: a page in a browser cannot call the server (vLLM allows any origin by default)
+    allowed_origins: tuple[str, ...] = ()
     tls_certfile: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS
     tls_keyfile: str | None = None
     tls_ca_certfile: str | None = None  # with TLS: require client certificates signed by this CA (mTLS)
@@ -71,6 +74,11 @@ class ServerConfig:
         if keys is not None and not isinstance(keys, (list, tuple)):
             raise ValueError(f"api_keys must be a list of non-empty strings, got {type(keys).__name__}")
         object.__setattr__(self, "api_keys", tuple(keys or ()))
+        origins = (self.allowed_origins,) if isinstance(self.allowed_origins, str) else self.allowed_origins
+        if not isinstance(origins, (list, tuple)) or not all(isinstance(o, str) and o for o in origins):
+            raise ValueError(f"allowed_origins must be a list of origins such as 'https://app.example.com' "
+                             f"(or '*'), got {self.allowed_origins!r}")
+        object.__setattr__(self, "allowed_origins", tuple(origins))
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be an address or host name (a string), got {self.host!r}")
         for name in ("served_model_name", "chat_template", "tls_certfile", "tls_keyfile", "tls_ca_certfile"):

@@ -23,6 +23,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -49,7 +50,10 @@ from serving.openai_protocol import (
 logger = logging.getLogger("xlaserve.http")
 
 
-def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None) -> Starlette:
+def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None, *,
+              allowed_origins: tuple[str, ...] = ()) -> Starlette:
+    """The ASGI app. allowed_origins: browser origins answered cross-origin (CORS preflights and
+    headers, Starlette's CORSMiddleware, outermost so that errors carry the headers too)."""
     api = _Api(core, api_keys or APIKeyChecker(()))
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -61,7 +65,11 @@ def build_app(core: ServingCore, api_keys: APIKeyChecker | None = None) -> Starl
         Route("/tokenize", api.tokenize, methods=["POST"]),
     ]
     handlers = {ServingError: _serving_error, HTTPException: _http_error, ClientDisconnect: _client_gone}
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(_InternalErrors)])
+    middleware = [Middleware(_InternalErrors)]
+    if allowed_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                        allow_headers=["*"]))
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

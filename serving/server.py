@@ -73,7 +73,7 @@ class ServingApp:
         self.core = ServingCore(config, model_name)
         keys = APIKeyChecker(config.api_keys)
         self.grpc = GrpcServer(self.core, config, keys) if config.grpc_port is not None else None
-        self.app = build_app(self.core, keys)
+        self.app = build_app(self.core, keys, allowed_origins=config.allowed_origins)
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self.http_port: int | None = None

@@ -599,3 +599,25 @@ def test_api_keys(engine):
         assert httpx.get(s.base_url + "/models", headers={"X-API-Key": "sekrit"}).status_code == 200
     finally:
         s.stop()
+
+
+def test_cors_only_for_allowed_origins(engine, server):
+    """--allowed-origin: browser preflights are answered and every response (a 401 too) carries the
+    CORS headers for that origin; without it no origin is answered (the default)."""
+    pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(server.base_url + "/chat/completions", headers=pre)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    s = LiveServer(engine, api_keys=("sekrit",), allowed_origins=("https://app.example",)).start()
+    try:
+        r = httpx.options(s.base_url + "/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = httpx.get(s.base_url + "/models", headers={"Origin": "https://app.example"})  # no key: 401
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.get(s.base_url + "/models", headers={"Origin": "https://app.example", "X-API-Key": "sekrit"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.options(s.base_url + "/chat/completions", headers={**pre, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    finally:
+        s.stop()

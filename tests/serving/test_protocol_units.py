@@ -259,9 +259,11 @@ def test_every_serve_flag_maps_to_a_config_key(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("server:\n  port: 9000\n  grpc_port: 9001\nengine:\n  mesh: {replica: 1}\n")
     args = cli.build_parser().parse_args(["serve", "--config", str(cfg), "--port", "7000", "--api-key", "a",
-                                          "--api-key", "b", "--tensor", "1", "--replica", "2", "--no-prefix-caching"])
+                                          "--api-key", "b", "--tensor", "1", "--replica", "2", "--no-prefix-caching",
+                                          "--allowed-origin", "https://a.example"])
     s = cli._serve_settings(args)
     assert (s.server.port, s.server.grpc_port, s.server.api_keys) == (7000, 9001, ("a", "b"))
+    assert s.server.allowed_origins == ("https://a.example",)
     assert s.engine["mesh"] == {"replica": 2, "tensor": 1} and s.engine["enable_prefix_caching"] is False
     assert s.engine_config().mesh.replica == 2
 
@@ -291,3 +293,11 @@ def test_shipped_configs_load(name):
     s = build_settings(load_yaml(REPO_ROOT / "configs" / name), {})
     assert s.server.host == "127.0.0.1"
     s.engine_config()  # every engine key is an EngineConfig field with a valid value
+
+
+def test_allowed_origins_setting():
+    assert ServerConfig(allowed_origins="*").allowed_origins == ("*",)  # (a YAML file's `allowed_origins: "*"`)
+    assert ServerConfig(allowed_origins=["https://a.example"]).allowed_origins == ("https://a.example",)
+    for bad in ([""], [5], 7):
+        with pytest.raises(ValueError, match="allowed_origins must be a list of origins"):
+            ServerConfig(allowed_origins=bad)
