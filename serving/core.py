@@ -321,12 +321,13 @@ class ServingCore:
 
     async def tokenize(self, *, text: str | None = None, messages=None, add_special_tokens: bool = True,
                        chat: ChatOptions = ChatOptions()) -> list[int]:
-        self._check_ready_for_info()
+        self.check_ready_for_info()
         spec = GenerationSpec(params=SamplingParams(), text=text, messages=messages, chat=chat,
                               add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._prompt_ids, spec)
 
-    def _check_ready_for_info(self) -> None:
+    def check_ready_for_info(self) -> None:
+        """Unavailable (503 / UNAVAILABLE) while warming up: what the model is, is known once it loaded."""
         if self.model_info is None:
             raise Unavailable("the server is warming up; retry shortly", code="warming_up", retry_after=1)
 

@@ -95,9 +95,27 @@ def _close(stream, context, timeout_s: float | None) -> None:
     not as a request the client cancelled. gRPC's header rounds a deadline up to three significant
     digits (a client's 1.5 s arrives as ~1.51 s, 100.1 s as ~101 s), so the client's deadline
     passes while this side still sees up to 1% of `timeout_s` (the time left on arrival) left."""
+    stream.close(failure="deadline" if _deadline_passed(context, timeout_s) else None)
+
+
+def _deadline_passed(context, timeout_s: float | None) -> bool:
     left = context.time_remaining()
-    passed = left is not None and left <= 0.01 * (timeout_s or 0.0) + 0.05
-    stream.close(failure="deadline" if passed else None)
+    return left is not None and left <= 0.01 * (timeout_s or 0.0) + 0.05
+
+
+async def _submit(core: ServingCore, spec: GenerationSpec, context):
+    """core.submit(spec), or None once the call is aborted with the error that refused it. A call
+    that ends while its prompt is prepared (tokenized, admitted) cancels this; past its deadline
+    that is the deadline failure it is, counted as `_close` counts it later on."""
+    try:
+        return await core.submit(spec)
+    except ServingError as e:
+        await _abort(context, e)
+    except asyncio.CancelledError:
+        if _deadline_passed(context, spec.timeout_s):
+            core.metrics.request_failed("deadline")
+        raise
+    return None
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -127,10 +145,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.core.metrics.request_failed("invalid")
             await _abort(context, e)
             return
-        try:
-            stream = await self.core.submit(spec)
-        except ServingError as e:
-            await _abort(context, e)
+        stream = await _submit(self.core, spec, context)
+        if stream is None:
             return
         want_lp = spec.params.logprobs is not None
         k = spec.params.logprobs or 0
@@ -227,10 +243,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             self.core.metrics.request_failed("invalid")
             await _abort(context, e)
             return
-        try:
-            stream = await self.core.submit(spec)
-        except ServingError as e:
-            await _abort(context, e)
+        stream = await _submit(self.core, spec, context)
+        if stream is None:
             return
         try:
             await context.send_initial_metadata(())

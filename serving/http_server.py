@@ -166,12 +166,12 @@ class _Api:
         return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
 
     def _model_card(self) -> dict:
+        """The served model's card; 503 while warming up, as gRPC's ModelInfo (a 200 here would tell
+        a client polling /v1/models for readiness that requests are served)."""
+        self.core.check_ready_for_info()
         info = self.core.model_info
-        card = {"id": self._served(), "object": "model", "created": info.created if info else 0,
-                "owned_by": "xlaserve", "root": info.source if info else None}
-        if info is not None:
-            card["max_model_len"] = info.max_model_len
-        return card
+        return {"id": self._served(), "object": "model", "created": info.created, "owned_by": "xlaserve",
+                "root": info.source, "max_model_len": info.max_model_len}
 
     async def models(self, request: Request) -> Response:
         self._auth(request)

@@ -148,7 +148,7 @@ def test_sigterm_drains_in_flight_requests(stories_path, tmp_path):
 
 def test_health_during_warmup_and_sigterm_while_loading(stories_path):
     """Ports are bound before the model is loaded: health says "warming up" (HTTP 503, gRPC
-    NOT_SERVING) and requests get 503; SIGTERM then exits 0 at once, without waiting for the compile."""
+    NOT_SERVING), requests and /v1/models get 503; SIGTERM then exits 0 at once, without waiting for the compile."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -175,6 +175,9 @@ def test_health_during_warmup_and_sigterm_while_loading(stories_path):
         assert h.status_code == 503 and h.json() == {"status": "warming up"}
         r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}, timeout=5)
         assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
+        for route in ("/v1/models", "/v1/models/" + MODEL_NAME):  # (clients poll these for readiness)
+            r = httpx.get(base + route, timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up", route
         with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING

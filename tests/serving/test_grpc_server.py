@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 
 import grpc
 import pytest
@@ -131,6 +132,22 @@ def test_deadline_and_cancel_abort_the_request(stub, server):
     server.call(core.wait_idle(), timeout=30)
     assert finished_count(core, "abort") == aborted + 1 and failed_count(core, "deadline") == late + 3
     assert core.in_flight == 0
+
+
+def test_a_deadline_that_passes_while_the_prompt_is_prepared_counts(stub, server, monkeypatch):
+    """A call whose deadline passes while its prompt is tokenized ends before the request exists;
+    it counted nowhere (docs/serving.md: a request whose deadline passed counts as "deadline")."""
+    core = server.core
+    real = core._prompt_ids
+    monkeypatch.setattr(core, "_prompt_ids", lambda spec: time.sleep(1.0) or real(spec))
+    late, ok = failed_count(core, "deadline"), finished_count(core, "length")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2)), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while failed_count(core, "deadline") == late and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert failed_count(core, "deadline") == late + 1 and finished_count(core, "length") == ok
 
 
 def test_keep_special_tokens(stub, server):
