@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shutil
-import tempfile
+import uuid
 from functools import cached_property
 from pathlib import Path
 
@@ -288,8 +289,13 @@ def _map_qkv(params: nnx.State, fn, kv_repeat: int) -> nnx.State:
 
 def check_destination(dst: str | Path) -> Path:
     """The absolute path of a new checkpoint directory `dst`, or an error: it must not exist, or be
-    an empty directory, and no part of its parent path may be a file."""
+    an empty directory, and no part of its parent path may be a file. A symbolic link to an empty
+    directory gives that directory's path (the checkpoint replaces it there); a dangling one is an error."""
     dst = Path(dst).absolute()
+    if dst.is_symlink():
+        if not dst.exists():
+            raise FileNotFoundError(f"{dst} is a symbolic link to {os.readlink(dst)}, which does not exist")
+        dst = dst.resolve()
     if dst.exists():
         if not dst.is_dir():
             raise FileExistsError(f"{dst} exists and is not a directory; refusing to overwrite")
@@ -309,8 +315,13 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
     holds a partial checkpoint (an interrupted save leaves only `.DST.partial-*` beside it)."""
     dst = check_destination(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    # (not tempfile.mkdtemp, whose 0700 the checkpoint would keep: a plain mkdir follows the umask,
+    # as the folders inside do, and an existing empty DST's mode is kept)
+    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
     try:
+        if dst.exists():
+            tmp.chmod(dst.stat().st_mode & 0o7777)
         _write_orbax(loaded, tmp)
         if dst.exists():  # (an empty directory: check_destination)
             dst.rmdir()

@@ -32,7 +32,7 @@ from runtime.checkpoint import LoadedModel
 from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats
 from runtime.llm import RequestOutput
-from runtime.request import SamplingParams, new_request_id
+from runtime.request import SamplingParams, check_priority, new_request_id, validate_cache_salt
 from sharding.mesh import MeshConfig
 
 
@@ -86,15 +86,18 @@ class ReplicatedEngine:
 
     # -- requests in ----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, prompt_text: str | None = None, **kwargs) -> str:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    prompt_text: str | None = None) -> str:
         """Engine.add_request on the replica `_route` picks (the prompt is tokenized and checked once,
-        here: the route reads its ids)."""
+        here: the route reads its ids and salt)."""
         params = params or SamplingParams()
         request_id = self._new_id(request_id)
+        check_priority(priority)
+        validate_cache_salt(cache_salt)
         text, prompt_ids = self.prepare_prompt(prompt)
         self.validate(prompt_ids, params, request_id=request_id)
-        return self.enqueue_checked(prompt_ids, params, request_id=request_id,
-                                    prompt_text=text if text is not None else prompt_text, **kwargs)
+        return self.enqueue_checked(prompt_ids, params, request_id=request_id, priority=priority,
+                                    cache_salt=cache_salt, prompt_text=text if text is not None else prompt_text)
 
     def enqueue_checked(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                         **kwargs) -> str:

@@ -54,12 +54,16 @@ class MeshConfig:
 
 
 def check_mesh(mesh: jax.sharding.Mesh) -> None:
-    """ValueError unless `mesh` is one the models can be placed on: axes named among AXES, each of
-    Auto type (the sharding rules name them; Explicit axes need sharding-in-types code)."""
+    """ValueError unless `mesh` is one the models can be placed on: axes named among AXES, 'tensor'
+    among them (the sharding rules place weights on it), each of Auto type (Explicit axes need
+    sharding-in-types code)."""
     names = tuple(mesh.axis_names)
     odd = [n for n in names if n not in AXES]
     if odd:
         raise ValueError(f"mesh axes {names}: {odd} are not among {AXES} (MeshConfig.make_mesh builds a mesh)")
+    if "tensor" not in names:
+        raise ValueError(f"mesh axes {names} lack 'tensor', the axis the sharding rules place weights on: add it "
+                         "(of size 1 for no tensor parallelism; MeshConfig.make_mesh builds a mesh)")
     auto = jax.sharding.AxisType.Auto
     types = getattr(mesh, "axis_types", None) or (auto,) * len(names)
     explicit = [n for n, t in zip(names, types) if t != auto]

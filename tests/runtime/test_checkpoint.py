@@ -416,6 +416,32 @@ def test_a_failed_save_leaves_no_partial_checkpoint(hf_dir, tmp_path, monkeypatc
     load_model(tmp_path / "empty")
 
 
+def test_convert_destination_modes_and_symlinks(hf_dir, tmp_path):
+    """The checkpoint folder gets the umask's mode (it kept tempfile.mkdtemp's 0700, unreadable to a
+    serving account), an existing empty DST keeps its own; a link to an empty folder is written
+    through, and a dangling one is refused before SRC loads (it failed after)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        new = convert(hf_dir, tmp_path / "new", progress=False)
+        assert stat.S_IMODE(new.stat().st_mode) == 0o755
+        (tmp_path / "shared").mkdir(mode=0o775)
+        os.chmod(tmp_path / "shared", 0o775)
+        assert stat.S_IMODE(convert(hf_dir, tmp_path / "shared", progress=False).stat().st_mode) == 0o775
+    finally:
+        os.umask(old)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert convert(hf_dir, tmp_path / "link", progress=False) == tmp_path / "target"
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "xlaserve_config.json").is_file()
+    load_model(tmp_path / "link")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="is a symbolic link to .*nowhere, which does not exist"):
+        convert(tmp_path / "no-such-source", tmp_path / "dangling", progress=False)
+
+
 def test_an_interrupted_save_waits_for_its_writes_before_removing_them(hf_dir, tmp_path, monkeypatch):
     """Ctrl-C while Orbax's threads write: the save waits for them (through a second Ctrl-C) and
     then removes the partial folder, which the threads recreated after an immediate removal."""

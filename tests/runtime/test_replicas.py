@@ -69,6 +69,11 @@ def test_requests_spread_over_replicas_and_abort_where_they_run(engine2):
     assert [e.stats().num_requests - b for e, b in zip(engine2.replicas, before)] == [3, 3]  # least loaded first
     with pytest.raises(ValueError, match="already live"):
         engine2.add_request([5, 6, 7], params, request_id=ids[0])
+    # checked as Engine.add_request checks them (priority was cast by int(), a salt of 5 an AttributeError)
+    for kw, needle in ((dict(priority=1.5), "priority must be an int"), (dict(priority=True), "priority must be an int"),
+                       (dict(cache_salt=5), "cache_salt must be a string or None")):
+        with pytest.raises(ValueError, match=needle):
+            engine2.add_request([5, 6, 7], params, **kw)
     assert engine2.abort(ids[1]) and engine2.abort(ids[4])  # one on each replica
     assert not engine2.abort("no-such-request")
     finals = {}

@@ -96,6 +96,9 @@ def test_meshes_the_models_cannot_use_are_refused_before_loading():
     devices = np.asarray(jax.devices()[:2])
     with pytest.raises(ValueError, match=r"\['data'\] are not among \('replica', 'context', 'tensor'\)"):
         load_model("dummy:stories260k", mesh=jax.sharding.Mesh(devices, ("data",)), dtype="float32")
+    for axes in (("replica",), ("context",)):  # (failed deep in JAX: P('tensor', None) had no axis)
+        with pytest.raises(ValueError, match=r"lack 'tensor', the axis the sharding rules place weights on"):
+            load_model("dummy:stories260k", mesh=jax.sharding.Mesh(devices, axes), dtype="float32")
     explicit = jax.sharding.Mesh(devices.reshape(1, 1, 2), ("replica", "context", "tensor"),
                                  axis_types=(jax.sharding.AxisType.Explicit,) * 3)
     with pytest.raises(ValueError, match=r"mesh axes \['replica', 'context', 'tensor'\] are not of Auto type"):
