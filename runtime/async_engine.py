@@ -28,7 +28,7 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from runtime.engine import Engine, EngineStats, frozen_heap
@@ -86,6 +86,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if (request.prompt is None) == (request.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if request.sampling_params is None:  # (the defaults, as Engine.add_request takes None)
+            request = replace(request, sampling_params=SamplingParams())
+        elif not isinstance(request.sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params is {type(request.sampling_params).__name__}, not SamplingParams")
         check_priority(request.priority)
         validate_cache_salt(request.cache_salt)
         if request.request_id is not None and not isinstance(request.request_id, str):

@@ -64,7 +64,7 @@ import logging
 import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -269,6 +269,11 @@ class Engine:
         self._unforked = 0  # live groups with samples still to fork (_Group.to_fork > 0)
         # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor)
         self._inflight: tuple[StepPlan, object, object, object] | None = None
+        # A step between the scheduler and the device when an exception (Ctrl-C while waiting for
+        # the device) ended the call: planned and not dispatched, or dispatched and not applied to
+        # the scheduler. The next step() carries it on, so the engine stays usable (`_settle`).
+        self._planned: tuple[StepPlan, dict] | None = None  # (the plan, its sequences' SeqSampling)
+        self._unapplied: tuple[StepPlan, object, object, object] | None = None
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
@@ -414,38 +419,60 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self._groups) or self._inflight is not None or bool(self._pending) or bool(self._ready)
+        return (bool(self._groups) or self._inflight is not None or self._unapplied is not None
+                or self._planned is not None or bool(self._pending) or bool(self._ready))
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """Run one engine iteration (see the module docstring); returns the outputs it produced:
         one per request that progressed, shaped by its SamplingParams.output_kind. partial=False
         returns only the requests that finished (offline use)."""
         with self._watcher.watch():
-            plan = self.scheduler.step()
-            dispatched = None
-            if not plan.is_empty:
-                self._fork(plan)
-                batch = self.packer.pack(plan, lambda sid: self._seqs[sid].sampling)
-                prev, prev_burst = None, None
-                if self._inflight is not None:
-                    prev_plan, prev_tokens, prev = self._inflight[:3]
-                    prev_burst = prev_tokens if prev_plan.num_steps > 1 else None
-                tokens, last, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev,
-                                                                      prev_burst)
-                # start the copy to the host now, ordered right after the step: reading the tokens
-                # later then waits for the step, not for a copy queued behind the next step's launch
-                # (H200, 1B batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
-                tokens.copy_to_host_async()
-                dispatched = (plan, tokens, last, logprobs)
-                self._counts["steps"] += 1
-            if self._inflight is not None:
-                self._finish_inflight()  # overlaps the step just dispatched
-            if dispatched is not None:
-                self.scheduler.update_from_output(plan, None)
-                self._inflight = dispatched
+            if self._unapplied is not None:  # (an exception ended the call that dispatched it)
+                self._settle()
+            if self._planned is not None:  # planned by a call an exception ended before it dispatched
+                plan, sampling = self._planned
+                self._dispatch(plan, sampling.__getitem__)  # (its requests may have been aborted since)
+                self._planned = None
+            else:
+                plan = self.scheduler.step()
+                if not plan.is_empty:
+                    try:
+                        self._fork(plan)
+                        self._dispatch(plan, lambda sid: self._seqs[sid].sampling)
+                    except BaseException:
+                        seqs = self._seqs
+                        self._planned = (plan, {s.request_id: seqs[s.request_id].sampling for s in plan.seqs
+                                                if s.request_id in seqs})
+                        raise
+            self._settle()  # overlaps the step just dispatched
             outputs = self._emit(partial)
             self._check_compiles()
         return outputs
+
+    def _dispatch(self, plan: StepPlan, sampling: Callable) -> None:
+        """Pack `plan` (sampling(request_id): a sequence's SeqSampling) and run it on the device."""
+        batch = self.packer.pack(plan, sampling)
+        prev, prev_burst = None, None
+        if self._inflight is not None:
+            prev_plan, prev_tokens, prev = self._inflight[:3]
+            prev_burst = prev_tokens if prev_plan.num_steps > 1 else None
+        tokens, last, logprobs, self.kv_pages = self.executor(self.model.params, self.kv_pages, batch, prev, prev_burst)
+        # start the copy to the host now, ordered right after the step: reading the tokens later
+        # then waits for the step, not for a copy queued behind the next step's launch (H200, 1B
+        # batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
+        tokens.copy_to_host_async()
+        self._unapplied = (plan, tokens, last, logprobs)
+        self._counts["steps"] += 1
+
+    def _settle(self) -> None:
+        """Take in the previous step's tokens, then hand the step just dispatched to the scheduler
+        (its tokens placeholders until the next call). An exception while waiting for the device
+        leaves both where they were, for the next call to finish."""
+        if self._inflight is not None:
+            self._finish_inflight()
+        if self._unapplied is not None:
+            self.scheduler.update_from_output(self._unapplied[0], None)
+            self._inflight, self._unapplied = self._unapplied, None
 
     def _fork(self, plan: StepPlan) -> None:
         if not self._unforked:  # (the common case: no n > 1 request waits for its prompt)
@@ -464,13 +491,14 @@ class Engine:
 
     def _finish_inflight(self) -> None:
         plan, tokens, _, logprobs = self._inflight
-        self._inflight = None
         n = plan.num_seqs
         sampled = np.asarray(tokens)[..., :n]  # blocks until the device has run the step; [K, n] for a burst
         lp = None
         if logprobs is not None:  # some row asked (the step ran the logprobs program, or a burst computed them)
             # each field [K, n, ...]: a burst's have the leading [K] axis, a single step's get one
             lp = [(np.asarray(a) if plan.num_steps > 1 else np.asarray(a)[None])[:, :n] for a in logprobs]
+        self._inflight = None  # (only now: an exception in the waits above leaves it for the next call)
+        if lp is not None:
             rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
             taken: dict[str, int] = {}  # a request's updates come in step order: the j-th is model step j's
         seqs, pending = self._seqs, self._pending

@@ -10,6 +10,7 @@ and the output types every engine API returns.
 from __future__ import annotations
 
 import numbers
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,12 +102,14 @@ class LLM:
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             tokenizer = load_tokenizer(tokenizer)
         self.engine = make_engine(loaded, config, tokenizer=tokenizer)
+        self._busy = threading.Lock()  # held by the generate call running (one at a time)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
         """Wrap an existing (warmed up) engine."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm._busy = threading.Lock()
         return llm
 
     @property
@@ -134,6 +137,14 @@ class LLM:
             bad = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
             if bad is not None:
                 raise TypeError(f"sampling_params[{bad}] is {type(params[bad]).__name__}, not SamplingParams")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("LLM.generate is running in another thread; an LLM runs one call at a time")
+        try:
+            return self._generate(prompt_list, params, use_tqdm)
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompt_list: list, params: list[SamplingParams], use_tqdm: bool | None) -> list[RequestOutput]:
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has unfinished requests; LLM.generate needs it to itself")

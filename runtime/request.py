@@ -29,6 +29,7 @@ MAX_LOGIT_BIAS = 32
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("top_k", "seed", "logprobs", "min_tokens", "max_tokens", "n")
 _ALL_TOKENS = 2**31 - 1  # a top_k at least this keeps every token (the sampling rows hold it as an int32)
 _F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
@@ -105,6 +106,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
             object.__setattr__(self, "logit_bias", {_token_id(t, "logit_bias keys"): _bias(v, t)
                                                     for t, v in self.logit_bias.items()} or None)
+        for name in _INTS:  # numpy integers (a sweep's np.arange) as ints; bools and floats are refused below
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)):
+                object.__setattr__(self, name, operator.index(v))
         if self.top_k == -1:  # the vLLM / HF spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -163,7 +168,7 @@ class SamplingParams:
                 fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             fail(f"n must be an int >= 1, got {self.n!r}")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.output_kind not in OUTPUT_KINDS:

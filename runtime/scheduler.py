@@ -228,30 +228,31 @@ class Scheduler:
 
     def _resolve_max_tokens(self, request_id: str, n_prompt: int, params: SamplingParams) -> int:
         L, G, P = self.config.max_model_len, self.config.page_size, self.config.num_pages
+        who = f"request {request_id!r}: " if request_id else ""  # (a request not yet named: none)
         if params.max_tokens is None:
             if n_prompt >= L:
                 raise ValueError(
-                    f"request {request_id!r}: prompt has {n_prompt} tokens; max_model_len is {L} "
+                    f"{who}prompt has {n_prompt} tokens; max_model_len is {L} "
                     f"(room is needed for at least one generated token)"
                 )
             max_tokens = L - n_prompt
             if params.min_tokens > max_tokens:  # (with max_tokens set, SamplingParams checks it)
                 raise ValueError(
-                    f"request {request_id!r}: min_tokens {params.min_tokens} is more than the {max_tokens} tokens "
+                    f"{who}min_tokens {params.min_tokens} is more than the {max_tokens} tokens "
                     f"it can generate (max_model_len {L} - prompt {n_prompt})"
                 )
         else:
             max_tokens = params.max_tokens
             if n_prompt + max_tokens > L:
                 raise ValueError(
-                    f"request {request_id!r}: prompt has {n_prompt} tokens + max_tokens {max_tokens} = "
+                    f"{who}prompt has {n_prompt} tokens + max_tokens {max_tokens} = "
                     f"{n_prompt + max_tokens} tokens; max_model_len is {L}"
                 )
         # The last sampled token is never fed back, so its K/V is never stored.
         pages = _cdiv(n_prompt + max_tokens - 1, G)
         if pages > P:
             raise ValueError(
-                f"request {request_id!r}: prompt has {n_prompt} tokens + max_tokens {max_tokens} needs {pages} "
+                f"{who}prompt has {n_prompt} tokens + max_tokens {max_tokens} needs {pages} "
                 f"KV pages of {G} tokens; the pool has {P} pages"
             )
         return max_tokens

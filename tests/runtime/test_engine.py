@@ -608,6 +608,12 @@ def test_async_engine_request_ids_and_bad_requests(engine, workload):
                                 (dict(request_id=7), "request_id must be a string")):
                 with pytest.raises(ValueError, match=needle):
                     ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=params, **bad))
+            with pytest.raises(ValueError, match=r"^prompt has \d+ tokens \+ max_tokens"):  # (it named request '')
+                ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=replace(params, max_tokens=10**6)))
+            with pytest.raises(TypeError, match="sampling_params is dict, not SamplingParams"):
+                ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params={"max_tokens": 3}))
+            default = ae.submit(GenerationRequest(prompt_token_ids=prompt, sampling_params=None))  # the defaults
+            assert len((await drain(default)).outputs[0].token_ids) <= SamplingParams().max_tokens
             assert ae.health().healthy
             # a request that fails to queue for a reason no check foresaw fails its own stream alone
             add = engine.add_request

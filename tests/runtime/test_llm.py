@@ -200,6 +200,62 @@ def test_an_interrupted_generate_leaves_the_llm_usable(llm, monkeypatch):
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].finished
 
 
+@pytest.mark.parametrize("where", ["waiting for the device", "before dispatching"])
+def test_ctrl_c_inside_a_step_leaves_the_llm_usable(llm, monkeypatch, where):
+    """Ctrl-C lands where a step spends its time: waiting for the previous step's tokens, after the
+    next step was dispatched (or, rarely, while packing it for dispatch). The step the scheduler had planned
+    was left outstanding, so every later step raised and the LLM stayed busy for good. Now the
+    interrupt reaches the caller, and the next call finishes that step first."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    target = (engine, "_finish_inflight") if where == "waiting for the device" else (engine.packer, "pack")
+    real, calls = getattr(*target), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (the second step: the first one's tokens awaited, the second's dispatched)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params)
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_generate_from_two_threads_at_once_refuses_the_second(llm, monkeypatch):
+    """The busy check and the stepping were not atomic: two threads could both pass it and step the
+    engine together (internal errors, an engine left busy)."""
+    import threading
+
+    engine, step = llm.engine, llm.engine.step
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_step(*args, **kwargs):
+        inside.set()
+        release.wait(30)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    result = []
+    t = threading.Thread(target=lambda: result.append(llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))))
+    t.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match="another thread"):
+            llm.generate(PROMPTS[1], SamplingParams(max_tokens=4))
+    finally:
+        release.set()
+        t.join(60)
+    assert result and result[0][0].finished
+    monkeypatch.undo()
+    engine.check_invariants()
+
+
 def test_ids_past_the_tokenizers_vocabulary_decode_to_nothing(tmp_path):
     """A model may have more embedding rows than its tokenizer has tokens (Qwen2.5: 151,936 rows,
     151,665 tokens) and may sample the extra ids: they decode to nothing, as in HF tokenizers.

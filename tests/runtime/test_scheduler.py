@@ -96,13 +96,18 @@ def test_sampling_params_validation():
         dict(max_tokens=0),
         dict(n=0),
         dict(skip_special_tokens=None),
+        dict(ignore_eos="no"),  # (a truthy string ignored EOS)
         dict(min_tokens=True),
+        dict(n=np.float64(2)),
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         with pytest.raises(ValueError, match=f"{name} must be a number, got '1'"):
             SamplingParams(**{name: "1"})
+    ints = dict(top_k=5, seed=2, logprobs=3, min_tokens=1, max_tokens=7, n=2)  # numpy integers read as ints
+    q = SamplingParams(**{k: np.int64(v) for k, v in ints.items()})
+    assert all(type(getattr(q, k)) is int and getattr(q, k) == v for k, v in ints.items())
     none = SamplingParams(stop=None, stop_token_ids=None)  # vLLM's spelling of "none"
     assert none.stop == [] and none.stop_token_ids == []
     with pytest.raises(AttributeError):
