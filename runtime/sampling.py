@@ -423,6 +423,14 @@ def penalize(logits: jax.Array, rows: jax.Array, counts: PenaltyCounts, *, slots
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
 
+def gumbel_noise(keys: jax.Array, V: int) -> jax.Array:  # key[S] -> f32[S, V]
+    """Standard Gumbel noise, a row per key, for the Gumbel-max draw: from 64 random bits a value
+    (jax.random.gumbel's mode "high"). Its default ("low") maps 23 bits, so its noise never exceeds
+    ~16.6 and a token more than ~21 nats below a row's top was never drawn, whatever its share of
+    the distribution (many such tokens can hold 1e-4 of it); here the noise reaches ~87."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32, mode="high"))(keys)
+
+
 def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> jax.Array:
     """f32[S, V], i32[S, K] -> tokens i32[slots]: random rows drawn, greedy rows their argmax. Without
     `filters` every row keeps its whole distribution (top-k, top-p and min-p must be off)."""
@@ -435,8 +443,7 @@ def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> ja
     greedy_ids = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
     if filters:
         scaled = jnp.where(scaled >= _cutoffs(scaled, b), scaled, -jnp.inf)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(_row_keys(b.seeds, b.positions))
-    drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    drawn = jnp.argmax(scaled + gumbel_noise(_row_keys(b.seeds, b.positions), V), axis=-1).astype(jnp.int32)
     return pad_slots(jnp.where(is_random, drawn, greedy_ids), slots)
 
 

@@ -7,6 +7,7 @@ import functools
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -296,6 +297,22 @@ def softmax(x):
 def test_temperature_samples_the_softmax():
     logits = np.random.default_rng().standard_normal(V).astype(np.float32)
     check_distribution(draws(logits, temperature=0.7), softmax(logits.astype(np.float64) / 0.7), logits)
+
+
+def test_gumbel_noise_reaches_its_tail():
+    """The draw's noise follows the Gumbel distribution past 16 nats: the default ("low") mode of
+    jax.random.gumbel never exceeds ~15.9 (23 bits), so a token that far below a row's top was never
+    drawn. Counts over 2^28 values above 12 and 16 (~1,650 and ~30 expected) within 5 standard
+    deviations (Poisson), and the largest of them above 16."""
+    from runtime.sampling import gumbel_noise
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ths = jnp.asarray([12.0, 16.0], jnp.float32)
+    count = jax.jit(lambda keys: (gumbel_noise(keys, 1 << 22).reshape(-1)[:, None] > ths).sum(0))
+    n = sum(np.asarray(count(jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(c, c + 16))))
+            for c in range(0, 64, 16))
+    expected = 2**28 * -np.expm1(-np.exp(-np.asarray([12.0, 16.0])))
+    assert (np.abs(n - expected) <= 5 * np.sqrt(expected)).all(), (n, expected)
 
 
 @pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all"])
