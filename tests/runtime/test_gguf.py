@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -50,9 +52,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch: str, hp: dict, tensors: dict, *, meta=None) -> None:
-    """tensors: GGUF name -> (array, raw ggml type or None for plain float arrays)."""
-    w = gguf.GGUFWriter(str(path), arch)
+def write_gguf(path, arch: str, hp: dict, tensors: dict, *, meta=None, **writer) -> None:
+    """tensors: GGUF name -> (array, raw ggml type or None for plain float arrays); writer: GGUFWriter
+    options (endianess, split_max_tensors)."""
+    w = gguf.GGUFWriter(str(path), arch, **writer)
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
@@ -331,25 +334,61 @@ def test_unsupported_architecture(arch, tmp_path):
         load_model(path, progress=False)
 
 
-def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
+def test_unsupported_quant_types_are_refused_on_opening_naming_each_tensor(tmp_path):
+    """Refused before any tensor is read, not after loading dequantized all the tensors before them."""
     hp, tensors = tiny_tensors()
-    w = np.random.default_rng().standard_normal((hp["vocab_size"], hp["hidden_size"])).astype(np.float32)
+    rng = np.random.default_rng()
+    w = rng.standard_normal((hp["vocab_size"], hp["hidden_size"])).astype(np.float32)
     tensors["output.weight"] = (quantize(w, Q.Q5_1), Q.Q5_1)
-    write_gguf(tmp_path / "q51.gguf", "llama", hp, tensors)
-    with pytest.raises(CheckpointError, match=r"'output.weight'.*Q5_1"):
-        load_model(tmp_path / "q51.gguf", progress=False)
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q5_K]  # (no quantizer in the gguf package: never dequantized)
+    rows = rng.integers(0, 256, (hp["hidden_size"], hp["intermediate_size"] // block * size), dtype=np.uint8)
+    tensors["blk.1.ffn_down.weight"] = (rows, Q.Q5_K)
+    freqs = llama_cpp_rope_freqs(hp["rope_theta"], hp["head_dim"], 8.0)  # 32 values: one Q5_1 block
+    tensors["rope_freqs.weight"] = (quantize(freqs, Q.Q5_1), Q.Q5_1)
+    write_gguf(tmp_path / "q5.gguf", "llama", hp, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "q5.gguf: quantization types not supported: 'output.weight' (Q5_1), 'blk.1.ffn_down.weight' (Q5_K), "
+            "'rope_freqs.weight' (Q5_1); supported: BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0")):
+        GGUFSource(tmp_path / "q5.gguf")
 
 
 def test_tensors_the_model_does_not_use_are_refused(tmp_path):
-    """A tensor no model param is built from (here a mixture-of-experts router in a block) would be
-    dropped and the model run without it; loading names it instead. rope_freqs is read (above)."""
+    """A tensor no model param is built from (here a q norm, which Llama has not) would be dropped and
+    the model run without it; loading names it instead. rope_freqs is read (above)."""
     hp, tensors = tiny_tensors()
-    router = np.random.default_rng().standard_normal((4, hp["hidden_size"])).astype(np.float32)
-    tensors["blk.1.ffn_gate_inp.weight"] = (router, None)
-    write_gguf(tmp_path / "moe.gguf", "llama", hp, tensors)
-    with pytest.raises(CheckpointError, match=r"moe.gguf: 1 checkpoint tensors would be left unused "
-                                              r"\('blk.1.ffn_gate_inp.weight'\); the model config has no parameter"):
+    tensors["blk.1.attn_q_norm.weight"] = (np.ones(hp["head_dim"], np.float32), None)
+    write_gguf(tmp_path / "qnorm.gguf", "llama", hp, tensors)
+    with pytest.raises(CheckpointError, match=r"qnorm.gguf: 1 checkpoint tensors would be left unused "
+                                              r"\('blk.1.attn_q_norm.weight'\); the model config has no parameter"):
+        load_model(tmp_path / "qnorm.gguf", progress=False)
+
+
+def test_mixture_of_experts_gguf_is_refused_naming_its_expert_tensors(tmp_path):
+    """As llama.cpp writes Mixtral (arch llama): each block's MLP is a router and stacked experts."""
+    hp, tensors = tiny_tensors()
+    rng = np.random.default_rng()
+    E, D, F = 2, hp["hidden_size"], hp["intermediate_size"]
+    for i in range(hp["num_hidden_layers"]):
+        for part in ("gate", "up", "down"):
+            del tensors[f"blk.{i}.ffn_{part}.weight"]
+        tensors |= {f"blk.{i}.ffn_gate_inp.weight": (rng.standard_normal((E, D)).astype(np.float32), None),
+                    f"blk.{i}.ffn_gate_exps.weight": (rng.standard_normal((E, F, D)).astype(np.float16), None),
+                    f"blk.{i}.ffn_up_exps.weight": (rng.standard_normal((E, F, D)).astype(np.float16), None),
+                    f"blk.{i}.ffn_down_exps.weight": (rng.standard_normal((E, D, F)).astype(np.float16), None)}
+    write_gguf(tmp_path / "moe.gguf", "llama", hp, tensors, meta={"llama.expert_count": ("add_uint32", E)})
+    with pytest.raises(CheckpointError, match=re.escape(
+            "moe.gguf: mixture-of-experts models are not supported (llama.expert_count is 2; 8 expert tensors: "
+            "'blk.0.ffn_gate_inp.weight', 'blk.0.ffn_gate_exps.weight', 'blk.0.ffn_up_exps.weight', "
+            "'blk.0.ffn_down_exps.weight' and 4 more)")):
         load_model(tmp_path / "moe.gguf", progress=False)
+
+    hp, tensors = tiny_tensors()  # a dense model's tensors beside one router: still refused as MoE
+    tensors["blk.1.ffn_gate_inp.weight"] = (rng.standard_normal((E, D)).astype(np.float32), None)
+    write_gguf(tmp_path / "router.gguf", "llama", hp, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "router.gguf: mixture-of-experts models are not supported (1 expert tensors: "
+            "'blk.1.ffn_gate_inp.weight')")):
+        load_model(tmp_path / "router.gguf", progress=False)
 
 
 def test_truncated_gguf(tmp_path):
@@ -365,6 +404,36 @@ def test_truncated_gguf(tmp_path):
     cut.write_bytes(data[:100])  # inside the metadata
     with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file of 100 bytes"):
         load_model(cut, progress=False)
+
+
+def patch_tensor_info(path, name: str, *, ne0: int | None = None, type_code: int | None = None) -> None:
+    """Overwrite a tensor's row length or ggml type code in the file's tensor info (name, n_dims u32,
+    dims u64 innermost first, type u32, offset u64)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(name.encode()) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    if ne0 is not None:
+        struct.pack_into("<Q", data, at + 4, ne0)
+    if type_code is not None:
+        struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_code)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("change, message", [
+    # 31: Q4_0_4_4 of 2024 llama.cpp files (now repacked on load); 4: Q4_2, removed in 2023
+    ({"type_code": 31}, "tensor 'blk.0.ffn_up.weight' has ggml type code 31, which is not a ggml type this gguf "
+                        "package knows; supported: BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0"),
+    ({"type_code": 4}, "tensor 'blk.0.ffn_up.weight' has ggml type code 4, which is not a ggml type"),
+    ({"ne0": 240}, "tensor 'blk.0.ffn_up.weight' (Q8_0, ggml shape [240, 512]) has rows of 240 elements, not a "
+                   "multiple of Q8_0's block size 32"),
+], ids=["type_31", "type_4", "partial_block"])
+def test_tensor_info_the_reader_cannot_build_names_the_tensor(tmp_path, change, message):
+    hp, tensors = tiny_tensors(qtype=Q.Q8_0)
+    path = tmp_path / "info.gguf"
+    write_gguf(path, "llama", hp, tensors)
+    patch_tensor_info(path, "blk.0.ffn_up.weight", **change)
+    with pytest.raises(CheckpointError, match=re.escape(f"info.gguf: {message}")):
+        GGUFSource(path)
 
 
 def test_missing_metadata_key(tmp_path):
@@ -436,14 +505,17 @@ def test_invalid_utf8_metadata_string_names_file_and_key(tmp_path):
         load_model(path, progress=False)
 
 
+# a byte-level BPE tokenizer in which "ab" is token 2
+TINY_VOCAB = {"tokenizer.ggml.model": ("add_string", "gpt2"), "tokenizer.ggml.tokens": ("add_array", ["a", "b", "ab"]),
+              "tokenizer.ggml.merges": ("add_array", ["a b"]), "tokenizer.ggml.token_type": ("add_array", [1, 1, 1])}
+
+
 def test_gguf_file_without_the_suffix_is_known_by_its_magic(tmp_path):
     """ollama keeps its models as blobs named sha256-<digest>: the model and its tokenizer load."""
     from runtime.tokenizer import load_tokenizer
 
     hp, tensors = tiny_tensors()
-    vocab = {"tokenizer.ggml.model": ("add_string", "gpt2"), "tokenizer.ggml.tokens": ("add_array", ["a", "b", "ab"]),
-             "tokenizer.ggml.merges": ("add_array", ["a b"]), "tokenizer.ggml.token_type": ("add_array", [1, 1, 1])}
-    write_gguf(tmp_path / "model.gguf", "llama", hp, tensors, meta=vocab)
+    write_gguf(tmp_path / "model.gguf", "llama", hp, tensors, meta=TINY_VOCAB)
     blob = tmp_path / "sha256-0c1f"
     blob.write_bytes((tmp_path / "model.gguf").read_bytes())
     loaded, ref = load_model(blob, progress=False), load_model(tmp_path / "model.gguf", progress=False)
@@ -460,6 +532,103 @@ def test_missing_file(tmp_path):
         load_model(tmp_path / "nope.gguf", progress=False)
     with pytest.raises(CheckpointError, match="nope.gguf"):
         GGUFSource(tmp_path / "nope.gguf")
+
+
+# ------------------------------------------------------------------------ byte order, split files
+
+
+def test_big_endian_f32_and_f16_tensors_read_as_the_little_endian_file_does(tmp_path):
+    """The reader gives a big-endian file's F32/F16 data as '>f4'/'>f2' arrays, which gguf's
+    dequantize views as native floats; rope_freqs (the config's llama3 scaling) is read the same way."""
+    hp, tensors = tiny_tensors(qtype=Q.F16)  # norms stay F32
+    tensors["rope_freqs.weight"] = (llama_cpp_rope_freqs(hp["rope_theta"], hp["head_dim"], 8.0), None)
+    write_gguf(tmp_path / "le.gguf", "llama", hp, tensors)
+    write_gguf(tmp_path / "be.gguf", "llama", hp, tensors, endianess=gguf.GGUFEndian.BIG)
+    assert gguf.GGUFReader(tmp_path / "be.gguf").byte_order == "S"
+    le, be = GGUFSource(tmp_path / "le.gguf"), GGUFSource(tmp_path / "be.gguf")
+    assert le.config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert be.config.replace(name="le") == le.config
+    assert be.keys() == le.keys()
+    for name in le.keys():
+        np.testing.assert_array_equal(be.get(name), le.get(name), err_msg=name)
+
+
+@pytest.mark.parametrize("qtype", [Q.BF16, Q.Q8_0], ids=lambda q: q.name)
+def test_big_endian_bf16_and_quantized_tensors_are_refused_by_name(tmp_path, qtype):
+    """Their data is raw bytes, whose swapping would depend on each type's block layout."""
+    hp, tensors = tiny_tensors(qtype=qtype)
+    write_gguf(tmp_path / "be.gguf", "llama", hp, tensors, endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"be.gguf: only F32 and F16 tensors can be read from a byte-swapped (big-endian) GGUF file, not "
+            f"'token_embd.weight' ({qtype.name}), 'output.weight' ({qtype.name}), 'blk.0.attn_q.weight' "
+            f"({qtype.name}), 'blk.0.attn_k.weight' ({qtype.name}) and 12 more")):
+        GGUFSource(tmp_path / "be.gguf")
+
+
+def test_split_gguf_loads_as_its_single_file_does(tmp_path):
+    from runtime.tokenizer import load_tokenizer
+
+    hp, tensors = tiny_tensors()  # 21 tensors
+    write_gguf(tmp_path / "tiny.gguf", "llama", hp, tensors, meta=TINY_VOCAB)
+    (tmp_path / "split").mkdir()
+    write_gguf(tmp_path / "split" / "tiny.gguf", "llama", hp, tensors, meta=TINY_VOCAB, split_max_tensors=5)
+    shards = sorted((tmp_path / "split").iterdir())
+    assert [p.name for p in shards] == [f"tiny-{i:05d}-of-00005.gguf" for i in range(1, 6)]
+    one, split = GGUFSource(tmp_path / "tiny.gguf"), GGUFSource(shards[0])
+    assert split.config == one.config and split.keys() == one.keys()
+    for name in one.keys():
+        np.testing.assert_array_equal(split.get(name), one.get(name), err_msg=name)
+    loaded = load_model(shards[0], progress=False)
+    assert loaded.tokenizer_path == shards[0] and load_tokenizer(loaded.tokenizer_path).encode("ab") == [2]
+
+
+def write_shards(folder, hp: dict, shards: list[dict], *, tensors_count: int | None = None) -> list:
+    """Split GGUF files as llama.cpp's gguf-split names and marks them, each written on its own so that
+    a test can make them disagree."""
+    folder.mkdir()
+    n, paths = len(shards), []
+    for i, tensors in enumerate(shards):
+        paths.append(folder / f"tiny-{i + 1:05d}-of-{n:05d}.gguf")
+        count = tensors_count if tensors_count is not None else sum(map(len, shards))
+        meta = {"split.no": ("add_uint16", i), "split.count": ("add_uint16", n),
+                "split.tensors.count": ("add_int32", count)}
+        write_gguf(paths[-1], "llama", hp, tensors, meta=meta)
+    return paths
+
+
+@pytest.mark.parametrize("case", ["missing_file", "not_the_first_file", "renamed_first_file", "count_disagrees",
+                                  "tensor_in_two_files", "tensors_count_disagrees"])
+def test_split_gguf_errors_name_the_file(tmp_path, case):
+    hp, tensors = tiny_tensors()  # 21 tensors
+    items = list(tensors.items())
+    write_gguf(tmp_path / "tiny.gguf", "llama", hp, tensors, split_max_tensors=5)
+    shard = [None, *(tmp_path / f"tiny-{i:05d}-of-00005.gguf" for i in range(1, 6))]  # 1-based
+    path = shard[1]
+    if case == "missing_file":
+        shard[3].unlink()
+        message = f"{shard[3]}: file 3 of the split GGUF {shard[1]} does not exist"
+    elif case == "not_the_first_file":
+        path = shard[2]
+        message = (f"{shard[2]}: this is file 2 of a split GGUF of 5 files (split.no is 1); load it from the "
+                   f"first, {shard[1]}")
+    elif case == "renamed_first_file":
+        path = shard[1].rename(tmp_path / "tiny.gguf")
+        message = (f"{path}: the first file of a split GGUF of 5 files (split.count) must be named "
+                   f"PREFIX-00001-of-00005.gguf, so that the others can be found")
+    elif case == "count_disagrees":  # file 2 of a split into 3 files, put in the place of file 2 of 5
+        (tmp_path / "other").mkdir()
+        write_gguf(tmp_path / "other" / "tiny.gguf", "llama", hp, tensors, split_max_tensors=7)
+        shutil.copy(tmp_path / "other" / "tiny-00002-of-00003.gguf", shard[2])
+        message = (f"{shard[2]}: split.count is 3 and split.no 1, but as file 2 of the split GGUF "
+                   f"tiny-00001-of-00005.gguf it must be 5 and 1")
+    elif case == "tensor_in_two_files":
+        path, second = write_shards(tmp_path / "other", hp, [dict(items[:11]), dict(items[10:])])
+        message = f"{second}: tensor {items[10][0]!r} is also in {path}"
+    else:
+        path, _ = write_shards(tmp_path / "other", hp, [dict(items[:11]), dict(items[11:])], tensors_count=22)
+        message = f"{path}: split.tensors.count is 22 but the 2 split files hold 21 tensors"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        GGUFSource(path)
 
 
 # ------------------------------------------------------------------------- SmolLM2-135M, real Q4_1
