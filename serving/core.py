@@ -350,7 +350,7 @@ class ServingCore:
         """The request's checks, its prompt's ids and its place in the admission queue."""
         self._check_accepting()
         if spec.request_id is not None:
-            _check_request_id(spec.request_id)
+            check_request_id(spec.request_id)
         ids = await asyncio.to_thread(self._prompt_ids, spec)
         self.check_limits(len(ids), spec.params, spec.logprobs_param)
         self._check_accepting()  # the state may have changed while tokenizing
@@ -523,7 +523,7 @@ def _request_finish_reason(out) -> str:
     return reasons[0] if reasons else FINISH_ABORT
 
 
-def _check_request_id(rid) -> None:
+def check_request_id(rid) -> None:
     """A client-chosen id is sent back as the x-request-id header (gRPC metadata) and logged:
     printable ASCII without spaces, of a bounded length."""
     if not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN and rid.isascii() and rid.isprintable()

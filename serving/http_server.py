@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from serving import sse
 from serving.auth import APIKeyChecker
-from serving.core import GenerationSpec, ServingCore
+from serving.core import GenerationSpec, ServingCore, check_request_id
 from serving.errors import BodyTooLarge, InvalidRequest, NotFound, ServingError, Unauthenticated
 from serving.metrics import CONTENT_TYPE
 from serving.openai_protocol import (
@@ -211,24 +211,33 @@ class _Api:
     # -- generation -----------------------------------------------------------------------------
     async def _generate(self, request: Request, parse, prefix: str) -> Response:
         try:
-            req: ParsedRequest = parse(await self._json(request), self._served())
+            body = await self._json(request)
+            req: ParsedRequest = parse(body, self._served())
+            # the client's id for the request, as vLLM takes it: the X-Request-Id header, else the body's
+            # request_id; the response's id is built from it and the header echoes it (tracing)
+            client = request.headers.get("x-request-id", body.get("request_id"))
+            if client is not None:
+                check_request_id(client)
         except (InvalidRequest, BodyTooLarge, NotFound):  # counted as the core counts what it refuses
             self.core.metrics.request_failed("invalid")
             raise
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        common = dict(params=req.params, request_id=rid, priority=req.priority, cache_salt=req.cache_salt,
+        rid = f"{prefix}-{uuid.uuid4().hex if client is None else client}"
+        # engine ids stay unique when clients reuse theirs (a suffix), and name the client's in logs
+        engine_id = rid if client is None else f"{rid}.{uuid.uuid4().hex[:12]}"
+        common = dict(params=req.params, request_id=engine_id, priority=req.priority, cache_salt=req.cache_salt,
                       logprobs_param="top_logprobs" if req.kind == "chat" else "logprobs")
         if req.prompts is None:
             streams = [await self.core.submit(GenerationSpec(text=req.text, token_ids=req.token_ids,
                                                              messages=req.messages, chat=req.chat, **common))]
         else:  # a batch: one engine request per prompt
             streams = await self.core.submit_batch([
-                GenerationSpec(**{**common, "request_id": f"{rid}-{i}"},
+                GenerationSpec(**{**common, "request_id": f"{engine_id}-{i}"},
                                **({"text": p} if isinstance(p, str) else {"token_ids": p}))
                 for i, p in enumerate(req.prompts)])
         fmt = _Formatter(req, rid, self._served(), [len(st.prompt_token_ids) for st in streams], self.text_of())
+        headers = {"X-Request-Id": client if client is not None else rid}
         if req.stream:
-            return _SSEResponse(streams, fmt)
+            return _SSEResponse(streams, fmt, headers)
         try:
             finals = await _until_disconnect(request, _finals(streams))
         finally:
@@ -236,7 +245,7 @@ class _Api:
                 st.close()
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(fmt.full(finals))
+        return JSONResponse(fmt.full(finals), headers=headers)
 
 
 async def _merged(streams):
@@ -305,8 +314,8 @@ async def _until_disconnect(request: Request, coro):
 class _SSEResponse(StreamingResponse):
     """Closes (cancels) the request however the response ends, even if the body never started."""
 
-    def __init__(self, streams: list, fmt: _Formatter) -> None:
-        super().__init__(_sse_body(streams, fmt), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    def __init__(self, streams: list, fmt: _Formatter, headers: dict[str, str]) -> None:
+        super().__init__(_sse_body(streams, fmt), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:

@@ -621,3 +621,25 @@ def test_cors_only_for_allowed_origins(engine, server):
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     finally:
         s.stop()
+
+
+def test_client_request_ids(server):
+    """vLLM's: the X-Request-Id header (else the body's request_id) names the response (`cmpl-<id>`)
+    and comes back in the header; a reused id does not clash with a live one; a bad one is a 400."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(server.base_url + "/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=60)
+    assert r.json()["id"] == "cmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                         "request_id": "from-body"})
+    assert r.json()["id"] == "chatcmpl-from-body" and r.headers["x-request-id"] == "from-body"
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=60)  # none: a random one, sent back
+    assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-")
+    with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True, "max_tokens": 30},
+                      headers={"X-Request-Id": "same"}, timeout=60) as first:
+        assert first.headers["x-request-id"] == "same"
+        again = httpx.post(server.base_url + "/completions", json=body, headers={"X-Request-Id": "same"}, timeout=60)
+        assert again.status_code == 200 and again.json()["id"] == "cmpl-same"
+        first.read()
+    r = httpx.post(server.base_url + "/completions", json=body, headers={"X-Request-Id": "has space"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
