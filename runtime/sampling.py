@@ -423,12 +423,23 @@ def penalize(logits: jax.Array, rows: jax.Array, counts: PenaltyCounts, *, slots
     return logits, pad_slots(greedy(logits, b.banned), slots)
 
 
+def gumbel_from_bits(bits: jax.Array) -> jax.Array:  # u32[...] -> f32[...]
+    """Standard Gumbel noise -log(E) from 32 random bits: E = -log1p(-x) ~ Exp(1) for x = (~bits + 1/2)
+    / 2^32, uniform in (0, 1). The integer is converted before it is scaled, so x keeps float32's
+    precision near 0, where E is small and the noise large: it reaches 22.9 (at most 1 - 2^-24
+    at the other end: -2.8, below which a Gumbel falls with probability 6e-8). jax.random.gumbel's
+    default maps 23 bits to u in [tiny, 1) and takes -log(-log(u)), whose steps near 1 thin the
+    noise's tail from ~14 and end it at 15.9: a token more than ~20 nats below a row's top was never
+    drawn, whatever its share (many such tokens can hold 1e-4 of a distribution). Now a token is
+    out of reach only past ~25.7 nats below the top (e^-25.7 = 7e-12 a token), at the cost of the
+    same 32 bits (jax's 64-bit mode "high" cost 1.6x this sampler on a CPU)."""
+    x = jnp.minimum((jnp.invert(bits).astype(jnp.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
+    return -jnp.log(-jnp.log1p(-x))
+
+
 def gumbel_noise(keys: jax.Array, V: int) -> jax.Array:  # key[S] -> f32[S, V]
-    """Standard Gumbel noise, a row per key, for the Gumbel-max draw: from 64 random bits a value
-    (jax.random.gumbel's mode "high"). Its default ("low") maps 23 bits, so its noise never exceeds
-    ~16.6 and a token more than ~21 nats below a row's top was never drawn, whatever its share of
-    the distribution (many such tokens can hold 1e-4 of it); here the noise reaches ~87."""
-    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32, mode="high"))(keys)
+    """Standard Gumbel noise, a row per key, for the Gumbel-max draw (`gumbel_from_bits`)."""
+    return gumbel_from_bits(jax.vmap(lambda k: jax.random.bits(k, (V,), jnp.uint32))(keys))
 
 
 def pick(logits: jax.Array, rows: jax.Array, *, filters: bool, slots: int) -> jax.Array:

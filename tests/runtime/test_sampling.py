@@ -300,11 +300,11 @@ def test_temperature_samples_the_softmax():
 
 
 def test_gumbel_noise_reaches_its_tail():
-    """The draw's noise follows the Gumbel distribution past 16 nats: the default ("low") mode of
-    jax.random.gumbel never exceeds ~15.9 (23 bits), so a token that far below a row's top was never
-    drawn. Counts over 2^28 values above 12 and 16 (~1,650 and ~30 expected) within 5 standard
-    deviations (Poisson), and the largest of them above 16."""
-    from runtime.sampling import gumbel_noise
+    """The draw's noise follows the Gumbel distribution past 16 nats: jax.random.gumbel's default
+    mode never exceeded ~15.9 (23 bits), so a token that far below a row's top was never drawn.
+    Counts over 2^28 values above 12 and 16 (~1,650 and ~30 expected) within 5 standard deviations
+    (Poisson); the extreme bit patterns give the range's ends, 22.9 and -2.8."""
+    from runtime.sampling import gumbel_from_bits, gumbel_noise
 
     seed = int(np.random.default_rng().integers(1 << 30))
     ths = jnp.asarray([12.0, 16.0], jnp.float32)
@@ -313,6 +313,10 @@ def test_gumbel_noise_reaches_its_tail():
             for c in range(0, 64, 16))
     expected = 2**28 * -np.expm1(-np.exp(-np.asarray([12.0, 16.0])))
     assert (np.abs(n - expected) <= 5 * np.sqrt(expected)).all(), (n, expected)
+    ends = np.asarray(gumbel_from_bits(jnp.asarray([0xFFFFFFFF, 0xFFFFFFF0, 0x80000000, 0], jnp.uint32)), np.float64)
+    x = (np.asarray([0, 15]) + 0.5) * 2.0**-32  # (exact in float32)
+    np.testing.assert_allclose(ends[:2], -np.log(-np.log1p(-x)), rtol=1e-6)  # 22.87 and 20.22
+    np.testing.assert_allclose(ends[2:], [-np.log(np.log(2)), -np.log(-np.log(2.0**-24))], rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all"])
