@@ -21,7 +21,9 @@ threaded through (median over repetitions, warmed up, block_until_ready at the e
             handling; median wall time between consecutive steps.
   engine, bursts  (B = 1 only, `--decode-steps` K > 1) the same loop on an engine with
             EngineConfig.decode_steps = K: K decode steps per program (runtime/scheduler.py);
-            wall time per token over 4 x `--steps` tokens once the first burst is out.
+            wall time per token over the whole bursts of 4 x `--steps` tokens after the second, the
+            median of `--reps` requests.
+The engine rows' MBU counts the K/V rows at the timed tokens' mean context (past `--ctx`).
 
 Bytes that must move per step = the weights read at decode (every parameter array except an untied
 embedding table, of which only B rows are gathered) + every K/V row of the context + the new K/V
@@ -236,6 +238,10 @@ def run_child(args) -> dict:
 
         kv = engine.kv_pages
         engine.kv_pages = None
+
+        def engine_bytes(ctx: float) -> float:  # batch 1, at a mean context of `ctx` tokens
+            return weights_read + (ctx + 1) * kv_tok + kv_tok
+
         for B in batches:
             bytes_step = weights_read + B * (args.ctx + 1) * kv_tok + B * kv_tok
             row = {"model": name, "batch": B, "ctx": args.ctx, "bytes_per_step": bytes_step,
@@ -297,8 +303,9 @@ def run_child(args) -> dict:
             ts = [t for t, n, _ in stamps if n >= 2]
             gaps = [b - a for a, b in zip(ts, ts[1:])][:-1] or [float("nan")]
             t = statistics.median(gaps)
-            row.update(engine_s=t, engine_tok_s=1 / t, engine_mbu=row["bytes_per_step"] / t / bw,
-                       engine_steps_timed=len(gaps))
+            ctx = args.ctx + eng_steps / 2  # the timed tokens' mean context
+            row.update(engine_s=t, engine_tok_s=1 / t, engine_mbu=engine_bytes(ctx) / t / bw,
+                       engine_steps_timed=len(gaps), engine_ctx=ctx)
             print(f"{name}: engine.step() batch-1 decode {1 / t:.1f} tok/s, MBU {row['engine_mbu']:.1%} "
                   f"(median of {len(gaps)} step intervals)", flush=True)
         if 1 in batches and not args.no_engine and args.decode_steps > 1:
@@ -306,20 +313,29 @@ def run_child(args) -> dict:
             engine = kv = None  # the single-step engine's pool freed before the burst engine's (rebound, not
             # deleted: the closures above read these names)
             K = args.decode_steps
-            burst_len = args.max_model_len or -(-(args.ctx + 4 * eng_steps + 8) // G) * G
+            # the prefill's token, then whole bursts: the last one's tokens are all taken (a burst runs
+            # in full, so with a remainder its last program would compute tokens nobody times)
+            n_out = 1 + K * -(-4 * eng_steps // K)
+            burst_len = args.max_model_len or -(-(args.ctx + n_out + 8) // G) * G
             bcfg = dataclasses.replace(
                 cfg, decode_steps=K, max_num_seqs=1, seq_buckets=(1,), token_buckets=(1, prefill_T),
                 max_num_batched_tokens=prefill_T, max_model_len=burst_len, num_pages=2 * (burst_len // G) + 2,
                 warmup=True)
             engine = Engine(loaded, bcfg)
-            stamps = decode_stamps(engine, rng.integers(0, mc.vocab_size, args.ctx).tolist(), 4 * eng_steps)
-            # steady decode: from the first output past the prefill and one burst to the last
-            (t0, n0), (t1, n1) = next((t, n) for t, _, n in stamps if n > K + 1), stamps[-1][::2]
-            t = (t1 - t0) / (n1 - n0)
-            row.update(engine_burst_s=t, engine_burst_tok_s=1 / t, engine_burst_mbu=row["bytes_per_step"] / t / bw,
-                       engine_burst_tokens_timed=n1 - n0, decode_steps=K)
+            runs = []
+            for _ in range(args.reps):  # a new prompt each time (no prefix cache hit)
+                stamps = decode_stamps(engine, rng.integers(0, mc.vocab_size, args.ctx).tolist(), n_out)
+                # steady decode: from the step whose outputs end the second burst to the last step
+                (t0, n0), (t1, n1) = next((t, n) for t, _, n in stamps if n > K + 1), stamps[-1][::2]
+                runs.append(((t1 - t0) / (n1 - n0), n1 - n0, n0, n1))
+            t, tokens, n0, n1 = sorted(runs)[len(runs) // 2]  # the median run
+            ctx = args.ctx + (n0 + n1) / 2  # the timed tokens' mean context
+            row.update(engine_burst_s=t, engine_burst_tok_s=1 / t, engine_burst_mbu=engine_bytes(ctx) / t / bw,
+                       engine_burst_tokens_timed=tokens, engine_burst_runs=[1 / r[0] for r in runs],
+                       engine_burst_ctx=ctx, decode_steps=K)
             print(f"{name}: engine.step() batch-1 decode with bursts of {K}: {1 / t:.1f} tok/s, MBU "
-                  f"{row['engine_burst_mbu']:.1%} ({n1 - n0} tokens in {t1 - t0:.3f} s)", flush=True)
+                  f"{row['engine_burst_mbu']:.1%} (median of {len(runs)} runs of {tokens} tokens at mean context "
+                  f"{ctx:.0f}; tok/s {min(runs)[0] ** -1:.1f}..{max(runs)[0] ** -1:.1f})", flush=True)
         engine = kv = loaded = compiled = jobs = ex = None  # this model's device memory freed before the next's
         import gc
 
