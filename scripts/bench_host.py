@@ -79,11 +79,12 @@ def run_mode(llm, mode: str, args, seed: int) -> dict:
     decode, produced = [], {}
     with frozen_heap():  # as LLM.generate and the async engine run it
         while eng.has_unfinished():
-            before = eng.scheduler.stats().prefill_tokens
+            before, steps = eng.scheduler.stats().prefill_tokens, eng.stats().num_steps
             t0 = time.perf_counter()
             outs = eng.step(partial=mode != "offline")
             dt = time.perf_counter() - t0
-            if eng.scheduler.stats().prefill_tokens == before:
+            # a decode step: no prefill token, and a program dispatched (the last call only settles)
+            if eng.scheduler.stats().prefill_tokens == before and eng.stats().num_steps > steps:
                 decode.append(dt)
             for o in outs:
                 if o.finished:

@@ -9,7 +9,8 @@ end-to-end latency (mean, p50, p90, p99), throughput, and goodput under SLOs.
 
 Prompts are random token ids (exact input lengths, no tokenizer needed on the client), lengths
 drawn uniformly in [len * (1 - range_ratio), len * (1 + range_ratio)]; outputs are forced to their
-length with ignore_eos. Definitions: TTFT = arrival -> first token; TPOT = (e2e - TTFT) / (tokens - 1)
+length with ignore_eos. Definitions: TTFT = send -> first token (with --max-concurrency a request is
+sent when a slot frees, so its wait in the client's queue is not counted, as in vLLM's benchmark); TPOT = (e2e - TTFT) / (tokens - 1)
 per request; ITL = every gap between consecutive token chunks; goodput = completed requests per
 second that met every SLO given. Prints a table and writes JSON (--json-out); --plot draws p50/p99
 TTFT and TPOT against output throughput over the swept rates.
