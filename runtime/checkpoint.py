@@ -334,6 +334,7 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
 
 # besides tokenizer* and special_tokens*: the files Tokenizer.from_pretrained_dir reads from a model folder
 _TOKENIZER_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+_NAMED_TEMPLATES = "additional_chat_templates"  # a folder of <name>.jinja beside them
 
 
 def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
@@ -359,6 +360,12 @@ def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
             for f in Path(tok).iterdir():
                 if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in _TOKENIZER_FILES):
                     shutil.copy2(f, tdir / f.name)
+            named = Path(tok) / _NAMED_TEMPLATES
+            if named.is_dir():  # transformers 5's named chat templates (tool_use, ...)
+                (tdir / _NAMED_TEMPLATES).mkdir()
+                for f in named.glob("*.jinja"):
+                    if f.is_file():
+                        shutil.copy2(f, tdir / _NAMED_TEMPLATES / f.name)
             meta["tokenizer"] = "tokenizer"
         elif is_gguf_file(tok):  # the source model itself: referenced, not copied (GGUF files are large)
             meta["tokenizer"] = str(Path(tok).absolute())

@@ -208,7 +208,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """generate() for a conversation (a list of {"role", "content"} messages) or a list of
         them, each rendered with the tokenizer's chat template (or `chat_template`, a template
-        text) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat). Each
+        text or the name of one of the model's templates) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat). Each
         output's `prompt` is the rendered text."""
         tok = self.tokenizer
         if tok is None:

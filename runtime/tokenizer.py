@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from gguf.constants import TokenType
 
-from runtime.chat_template import compile_chat_template, cut_after_final_message
+from runtime.chat_template import render_chat_template, select_chat_template
 from runtime.detokenizer import (
     DecodeRules,
     IncrementalDetokenizer,
@@ -208,13 +208,15 @@ class Tokenizer:
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Renders `messages` with the model's jinja2 chat template (or `chat_template`, a template
-        text replacing it, as in transformers) the way transformers does: sandboxed,
-        trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`, and
-        bos_token/eos_token/unk_token/pad_token in scope. Extra keyword arguments (`tools`,
-        `documents`, `enable_thinking`, ...) are passed to the template. A template that does not
-        parse is a ValueError (compile_chat_template); one that raises while rendering, a
-        jinja2 TemplateError.
+        """Renders `messages` with the model's jinja2 chat template the way transformers does:
+        sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`, and
+        bos_token/eos_token/unk_token/pad_token in scope; keys whose value is None dropped and
+        `reasoning`/`thinking` also passed as `reasoning_content` (runtime/chat_template.py). Extra
+        keyword arguments (`tools`, `documents`, `enable_thinking`, ...) are passed to the template.
+        `chat_template` is the name of one of the model's templates (when it has several) or a
+        template text replacing them; without it, `tool_use` is used when `tools` is given and the
+        model has one, else `default`. A template that does not parse is a ValueError
+        (compile_chat_template); one that raises while rendering, a jinja2 TemplateError.
 
         continue_final_message (transformers' rule): the text ends where the last message's content
         does, so that generation continues that message (a prefilled assistant reply) instead of
@@ -223,22 +225,15 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
                              "the first continues the last message, the second starts a new one")
-        if chat_template is None:
-            if not self._chat_templates:
-                raise ValueError(f"{self._source} has no chat template")
-            name = "tool_use" if kwargs.get("tools") and "tool_use" in self._chat_templates else "default"
-            if name not in self._chat_templates:
-                raise ValueError(f"{self._source} has chat templates {sorted(self._chat_templates)} but no 'default'")
-            chat_template = self._chat_templates[name]
+        template = select_chat_template(self._chat_templates, chat_template, kwargs.get("tools"), self._source)
         context = {
             f"{n}_token": self._pieces[i]
             for n, i in (("bos", self._bos_id), ("eos", self.eos_id), ("unk", self._unk_id), ("pad", self._pad_id))
             if i is not None
         }
-        context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None)
+        context.update(add_generation_prompt=add_generation_prompt, tools=None, documents=None)
         context.update(kwargs)
-        text = compile_chat_template(chat_template).render(**context)
-        return cut_after_final_message(text, messages) if continue_final_message else text
+        return render_chat_template(template, messages, context, continue_final_message=continue_final_message)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **options: Any) -> tuple[str, list[int]]:
@@ -683,10 +678,16 @@ def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, _Added]:
 
 
 def _config_chat_templates(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
-    """chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template (a string
-    or a list of {"name", "template"}), in the order transformers prefers them."""
-    if (d / "chat_template.jinja").is_file():
-        return {"default": (d / "chat_template.jinja").read_text(encoding="utf-8")}
+    """chat_template.jinja with additional_chat_templates/<name>.jinja (transformers 5's files for a
+    default and named templates), else chat_template.json, else tokenizer_config.json's
+    chat_template (a string or a list of {"name", "template"}): in the order transformers prefers
+    them, the template files replacing the config's templates whole."""
+    files = {"default": d / "chat_template.jinja"} if (d / "chat_template.jinja").is_file() else {}
+    if (d / "additional_chat_templates").is_dir():
+        files.update((f.name.removesuffix(".jinja"), f)
+                     for f in sorted((d / "additional_chat_templates").glob("*.jinja")) if f.is_file())
+    if files:
+        return {name: f.read_text(encoding="utf-8") for name, f in files.items()}
     template = _read_json(d / "chat_template.json").get("chat_template", cfg.get("chat_template"))
     if template is None:
         return {}

@@ -49,7 +49,8 @@ def test_convert_then_load_gives_same_logits(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("template_file", ["chat_template.jinja", "chat_template.json"])
 def test_convert_keeps_the_chat_template(hf_dir, tmp_path, template_file):
-    """Tokenizer.from_pretrained_dir reads the chat template from these files: convert copies them."""
+    """Tokenizer.from_pretrained_dir reads the chat template from these files (and the named ones in
+    additional_chat_templates/): convert copies them."""
     from tokenizers import Tokenizer as HFTokenizer, models
 
     from runtime.tokenizer import load_tokenizer
@@ -61,9 +62,15 @@ def test_convert_keeps_the_chat_template(hf_dir, tmp_path, template_file):
     (src / template_file).write_text(template if template_file.endswith(".jinja")
                                      else json.dumps({"chat_template": template}))
     assert load_tokenizer(src).chat_template == template
+    if template_file.endswith(".jinja"):  # with transformers 5's named templates beside it
+        (src / "additional_chat_templates").mkdir()
+        (src / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS{{ messages[0]['content'] }}")
     loaded = load_model(convert(src, tmp_path / "orbax", progress=False))
     assert (loaded.tokenizer_path / template_file).is_file()
-    assert load_tokenizer(loaded.tokenizer_path).chat_template == template
+    tok = load_tokenizer(loaded.tokenizer_path)
+    assert tok.chat_template == template
+    if template_file.endswith(".jinja"):
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[]) == "TOOLShi"
 
 
 def test_auto_dtype_is_the_checkpoints_own(hf_dir, tmp_path):
