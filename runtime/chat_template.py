@@ -122,6 +122,33 @@ def _mark_final_message(chat: list[dict[str, Any]], template: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
+def content_format(template: str) -> str:
+    """How `template` reads a message's content, as vLLM's content-format detection decides it:
+    "openai" where it loops over the content (`{% for part in message['content'] %}`, directly or
+    through a variable set from it), so the content must be a list of parts; else "string". An
+    OpenAI-style server gives the first its parts and the second their text."""
+    from jinja2 import nodes
+
+    ast = chat_template_environment().parse(template)
+
+    def content_of(node) -> bool:  # x['content'] / x.content, under filters (| selectattr ...)
+        while isinstance(node, nodes.Filter) and node.node is not None:
+            node = node.node
+        return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+                or (isinstance(node, nodes.Getattr) and node.attr == "content"))
+
+    names = {a.target.name for a in ast.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and content_of(a.node)}
+
+    def loops_over_content(node) -> bool:
+        while isinstance(node, nodes.Filter) and node.node is not None:
+            node = node.node
+        return content_of(node) or (isinstance(node, nodes.Name) and node.name in names)
+
+    return "openai" if any(loops_over_content(f.iter) for f in ast.find_all(nodes.For)) else "string"
+
+
+@functools.lru_cache(maxsize=16)
 def compile_chat_template(text: str):
     """`text` parsed in chat_template_environment(); a syntax error is a ValueError that names
     its line, so a server can refuse a broken template at start-up instead of at the first chat."""

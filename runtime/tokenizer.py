@@ -225,7 +225,7 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
                              "the first continues the last message, the second starts a new one")
-        template = select_chat_template(self._chat_templates, chat_template, kwargs.get("tools"), self._source)
+        template = self.resolve_chat_template(chat_template, kwargs.get("tools"))
         context = {
             f"{n}_token": self._pieces[i]
             for n, i in (("bos", self._bos_id), ("eos", self.eos_id), ("unk", self._unk_id), ("pad", self._pad_id))
@@ -234,6 +234,10 @@ class Tokenizer:
         context.update(add_generation_prompt=add_generation_prompt, tools=None, documents=None)
         context.update(kwargs)
         return render_chat_template(template, messages, context, continue_final_message=continue_final_message)
+
+    def resolve_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        """The template text apply_chat_template renders with these arguments (select_chat_template)."""
+        return select_chat_template(self._chat_templates, chat_template, tools, self._source)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **options: Any) -> tuple[str, list[int]]:

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from runtime.chat_template import content_format
 from runtime.request import FINISH_ABORT, FINISH_LENGTH, OUTPUT_DELTA, SamplingParams
 from serving.admission import AdmissionQueue, Ticket
 from serving.config import ServerConfig
@@ -246,11 +247,15 @@ class ServingCore:
         if tok is None:
             raise InvalidRequest("this model has no tokenizer, so chat is not available; send token ids",
                                  param="messages")
-        msgs = _check_messages(messages)
         if self._chat_template is None and (tok.chat_template is None or self._chat_unavailable is not None):
             why = self._chat_unavailable or f"model {self.model_name!r} has no chat template"
             raise InvalidRequest(f"{why}; use /v1/completions or start the server with --chat-template",
                                  param="messages")
+        try:
+            template = tok.resolve_chat_template(self._chat_template, options.template_kwargs.get("tools"))
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="messages") from None
+        msgs = _check_messages(messages, parts=content_format(template) == "openai")
         try:
             return tok.apply_chat_template(msgs, add_generation_prompt=options.add_generation_prompt,
                                            continue_final_message=options.continue_final_message,
@@ -540,7 +545,10 @@ def _failure_reason(e: ServingError) -> str:
     return {400: "invalid", 413: "invalid", 429: "rejected", 503: "unavailable", 504: "deadline"}.get(e.status, "error")
 
 
-def _check_messages(messages) -> list[dict]:
+def _check_messages(messages, *, parts: bool) -> list[dict]:
+    """The messages with each content as the template reads it (vLLM's content formats): a string,
+    text parts joined one a line; or with `parts` (a template that loops over a message's content)
+    a list of text parts, a string becoming one."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -561,11 +569,13 @@ def _check_messages(messages) -> list[dict]:
                     raise InvalidRequest(f"messages[{i}].content[{j}] has type {kind!r}; only text parts (and an "
                                          "assistant's refusal parts) are supported", param="messages")
                 texts.append(part[field])
-            content = "\n".join(texts)
         elif content is None and role == "assistant":
-            content = ""
-        elif not isinstance(content, str):
+            texts = []
+        elif isinstance(content, str):
+            texts = [content]
+        else:
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
                                  param="messages")
+        content = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
         out.append({**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": content})
     return out

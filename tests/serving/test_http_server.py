@@ -465,6 +465,22 @@ def test_chat_template_kwargs_reach_the_template(engine):
     assert core.render_chat(msgs, ChatOptions(template_kwargs={"shout": True})) == "x!"
 
 
+def test_a_template_that_loops_over_content_parts_gets_parts(engine):
+    """vLLM's content formats: a template that iterates over a message's content gets text parts (a
+    string content becoming one); joined into a string, its loop read characters and the text was lost."""
+    from runtime.async_engine import AsyncEngine
+    from serving.config import ServerConfig
+    from serving.core import ServingCore
+
+    core = ServingCore(ServerConfig(), MODEL_NAME)
+    core.attach(AsyncEngine(engine, start=False), tokenizer=engine.tokenizer,
+                chat_template="{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}[{{ p['text'] }}]"
+                              "{% endfor %} {% endfor %}")
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]}]
+    assert core.render_chat(msgs) == "user:[hi] assistant:[a][b] "
+
+
 def test_a_model_chat_template_that_does_not_parse_refuses_chat_alone(engine):
     """A model's own template with a syntax error is found at attach: chat is refused with the
     parse error and the way out, completions still work; a --chat-template replaces it."""
