@@ -264,7 +264,8 @@ class Tokenizer:
             if cfg.get("split_special_tokens"):
                 raise ValueError(f"{d}: split_special_tokens is supported with a tokenizer.json, not a tokenizer.model")
             # decoded as transformers' (fast) tokenizer built from it does
-            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False)
+            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False,
+                                         prepend=_spm_prepend_scheme(cfg))
         else:
             raise FileNotFoundError(f"{d} has neither tokenizer.json nor tokenizer.model")
 
@@ -441,21 +442,30 @@ class _Added(NamedTuple):
 
 class _SentencePieceEncoder:
     """SentencePiece, with special tokens written in the text matched first (sentencepiece itself
-    leaves `<s>` as literal characters). Like llama.cpp, each stretch of text between special
-    tokens gets its own dummy-prefix space."""
+    leaves `<s>` as literal characters). With prepend "sentencepiece" (llama.cpp's rule too), each
+    stretch of text between special tokens gets its own dummy-prefix space; transformers' Metaspace
+    prepend schemes: "always", the same but for a stretch that starts with a space; "first", only
+    the stretch the text starts with; "never", none (`bare`: the model without its dummy prefix)."""
 
-    def __init__(self, processor, literal: Mapping[str, int], strips: Mapping[str, tuple[bool, bool]] = {}):
+    def __init__(self, processor, literal: Mapping[str, int], strips: Mapping[str, tuple[bool, bool]] = {},
+                 *, bare=None, prepend: str = "sentencepiece"):
         """strips: (lstrip, rstrip) of the added tokens that take the whitespace beside them (HF's
         AddedToken flags, from a tokenizer_config.json)."""
-        self._sp = processor
+        self._sp, self._bare, self._prepend = processor, bare, prepend
         self._literal = dict(literal)
         self._strips = dict(strips)
         alternatives = "|".join(re.escape(s) for s in sorted(self._literal, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})") if alternatives else None
 
+    def _encode(self, part: str, first: bool) -> list[int]:
+        p = self._prepend
+        dummy = (p == "sentencepiece" or (p == "always" and not part.startswith(" "))
+                 or (p == "first" and first and not part.startswith(" ")))
+        return (self._sp if dummy else self._bare).encode(part)
+
     def encode(self, text: str) -> list[int]:
         if self._split is None:
-            return self._sp.encode(text)
+            return self._encode(text, True)
         ids: list[int] = []
         parts = self._split.split(text)
         for k in range(1, len(parts), 2):  # (the text around a literal is parts[k - 1] and parts[k + 1])
@@ -468,21 +478,41 @@ class _SentencePieceEncoder:
             if k % 2:
                 ids.append(self._literal[part])
             elif part:
-                ids.extend(self._sp.encode(part))
+                ids.extend(self._encode(part, k == 0))
         return ids
 
 
-def _sentencepiece_parts(path: Path, added: Mapping[int, _Added], *, special_breaks_bytes: bool) -> _Parts:
+# transformers 5's LlamaTokenizer, which it builds from a folder's tokenizer.model
+_LLAMA_TOKENIZER_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _spm_prepend_scheme(cfg: Mapping[str, Any]) -> str:
+    """Where a tokenizer.model folder's text gets SentencePiece's dummy-prefix space, as transformers 5
+    encodes it (_get_prepend_scheme): for its LlamaTokenizer, only at the start of the text unless
+    the config says `legacy: true` (then before every stretch after a special token too), never
+    before a space, and nowhere with `add_prefix_space: false`; other classes keep sentencepiece's
+    own rule (every stretch, a space or not)."""
+    if cfg.get("tokenizer_class") not in _LLAMA_TOKENIZER_CLASSES:
+        return "sentencepiece"
+    if cfg.get("add_prefix_space") is False:
+        return "never"
+    return "always" if cfg.get("legacy", False) else "first"
+
+
+def _sentencepiece_parts(path: Path, added: Mapping[int, _Added], *, special_breaks_bytes: bool,
+                         prepend: str = "sentencepiece") -> _Parts:
     if not path.is_file():
         raise FileNotFoundError(f"SentencePiece model {path} does not exist")
     return _sentencepiece_parts_from_proto(path.read_bytes(), str(path), added,
-                                           special_breaks_bytes=special_breaks_bytes)
+                                           special_breaks_bytes=special_breaks_bytes, prepend=prepend)
 
 
 def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[int, _Added], *,
-                                    special_breaks_bytes: bool, split_user_defined: bool = False) -> _Parts:
+                                    special_breaks_bytes: bool, split_user_defined: bool = False,
+                                    prepend: str = "sentencepiece") -> _Parts:
     """special_breaks_bytes (PieceTable's): decode as sentencepiece does (a bare .model), or as HF
     tokenizers and llama.cpp do (a model folder's tokenizer.model, a GGUF's vocabulary).
+    prepend: where the text gets the model's dummy-prefix space (_SentencePieceEncoder).
     split_user_defined: user-defined pieces (a GGUF's added tokens such as <|im_start|>) are split out
     of the text before SentencePiece runs, the text after one starting afresh (with its own dummy
     prefix), and decode as written: llama.cpp's rules for them."""
@@ -541,9 +571,16 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
             strips[content] = (lstrip, rstrip)
     norm = model.normalizer_spec
     dummy_prefix = norm.add_dummy_prefix or norm.remove_extra_whitespaces
+    bare = None
+    if prepend != "sentencepiece" and norm.add_dummy_prefix:
+        model.normalizer_spec.add_dummy_prefix = False
+        bare = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
+    elif prepend != "sentencepiece":
+        prepend = "sentencepiece"  # (no dummy prefix to leave out)
+    dummy_prefix = dummy_prefix and prepend != "never"
     opt = lambda i: i if i >= 0 else None  # noqa: E731
     return _Parts(
-        _SentencePieceEncoder(sp, literal_text, strips),
+        _SentencePieceEncoder(sp, literal_text, strips, bare=bare, prepend=prepend),
         PieceTable(
             pieces=tuple(table),
             special_ids=frozenset(special),

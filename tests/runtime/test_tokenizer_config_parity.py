@@ -174,3 +174,38 @@ def test_tokenizer_model_folder_added_tokens_take_the_whitespace_their_flags_say
     for text in ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a   <|im_start|>b", "a<|im_end|>   b",
                  "a <|im_end|> <|im_start|> b"):
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+
+
+@pytest.fixture(scope="module")
+def tiny_spm_model() -> bytes:
+    """A SentencePiece BPE model as Llama's (byte fallback, dummy prefix, no normalization), trained here."""
+    import io
+
+    import sentencepiece as spm
+
+    sents = ["Hello world, this is a test.", "[INST] Hello [/INST] Hi there!", "Bye now.\nSee you.",
+             "the quick brown fox jumps"] * 20
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sents), model_writer=buf, vocab_size=340, model_type="bpe",
+                                   byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   add_dummy_prefix=True, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", minloglevel=2)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("config", [{}, {"legacy": True}, {"legacy": False}, {"add_prefix_space": False},
+                                    {"legacy": True, "add_prefix_space": False}])
+def test_llama_tokenizer_model_folders_place_the_prefix_space_as_transformers(tmp_path, tiny_spm_model, config):
+    """A folder with a tokenizer.model alone: transformers 5's LlamaTokenizer prepends SentencePiece's
+    space at the text's start only (legacy false, its default), before every stretch after a special
+    token with legacy true, never before a space, and nowhere with add_prefix_space false. Every
+    stretch got one, as sentencepiece gives it: `<s>[INST]` encoded `▁[` where transformers has `[`."""
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "tokenizer.model").write_bytes(tiny_spm_model)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **config}))
+    hf, ours = transformers.AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(tmp_path)
+    for text in ("<s>[INST] Hello [/INST]Hi!</s>\nBye  now </s> the", "Hi <s> Hello", " Hi there", "Hello", ""):
+        want = hf.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == want, text
+        assert ours.decode(want) == hf.decode(want, skip_special_tokens=True), text
