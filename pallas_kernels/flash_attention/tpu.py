@@ -63,7 +63,10 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
     def _step():
         q = q_ref[...]  # [bq, H]
         k = k_ref[...]  # [bk, H]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        # f32 inputs: IEEE dots (the TPU's default precision takes bf16 passes), as the ragged kernel's
+        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=precision)
         s = s * sm_scale  # f32[bq, bk]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -91,7 +94,7 @@ def _kernel(*refs, sm_scale, soft_cap, causal, sliding_window, q_offset, kv_len,
         alpha = jnp.exp(m_prev - m_safe)
         l_ref[...] = jnp.broadcast_to(alpha * l_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
         m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-        pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+        pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32, precision=precision)
         acc_ref[...] = alpha * acc_ref[...] + pv
 
     @pl.when(j == nk - 1)

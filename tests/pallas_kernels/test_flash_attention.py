@@ -287,3 +287,30 @@ def test_gpu_kernels_on_device(case, implementation):
 def test_triton_kernel_on_device_small(case, dtype):
     c = dataclasses.replace(CASES[case], H=128)
     check_against_reference(c, dtype, "gpu", None, False, seed=2)
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in `jaxpr`, inner jaxprs (a pallas_call's kernel, pl.when's
+    branches) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _dot_precisions(sub)
+    return out
+
+
+@pytest.mark.parametrize("dtype, want", [(jnp.float32, (jax.lax.Precision.HIGHEST,) * 2), (jnp.bfloat16, None)])
+def test_tpu_kernel_takes_f32_dots_at_full_precision(dtype, want):
+    """A TPU takes bf16 passes for an f32 dot at the default precision: the kernel's two dots ask for
+    HIGHEST with f32 inputs (as the ragged kernel's do), the default with bf16 (interpret mode on a
+    CPU computes both exactly, so the kernel's program is what is checked)."""
+    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+
+    q = jax.ShapeDtypeStruct((1, 2, 256, 128), dtype)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: flash_attention_tpu(q, k, v, sm_scale=0.1, interpret=True))(q, q, q)
+    assert _dot_precisions(jaxpr.jaxpr) == [want, want]
