@@ -440,9 +440,10 @@ class Engine:
                         self._fork(plan)
                         self._dispatch(plan, lambda sid: self._seqs[sid].sampling)
                     except BaseException:
-                        seqs = self._seqs
-                        self._planned = (plan, {s.request_id: seqs[s.request_id].sampling for s in plan.seqs
-                                                if s.request_id in seqs})
+                        if self._unapplied is None:  # (not dispatched: the next call does it)
+                            seqs = self._seqs
+                            self._planned = (plan, {s.request_id: seqs[s.request_id].sampling for s in plan.seqs
+                                                    if s.request_id in seqs})
                         raise
             self._settle()  # overlaps the step just dispatched
             outputs = self._emit(partial)

@@ -200,28 +200,50 @@ def test_an_interrupted_generate_leaves_the_llm_usable(llm, monkeypatch):
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].finished
 
 
-@pytest.mark.parametrize("where", ["waiting for the device", "before dispatching"])
+class _StepCounts(dict):
+    """Engine._counts that raises KeyboardInterrupt as the `n`-th step's dispatch is counted: the
+    step is then on the device but not yet handed to the scheduler."""
+
+    def __init__(self, counts, n):
+        super().__init__(counts)
+        self.n = n
+
+    def __setitem__(self, key, value):
+        if key == "steps":
+            self.n -= 1
+            if self.n == 0:
+                raise KeyboardInterrupt
+        super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("where", ["waiting for the device", "before dispatching", "after dispatching"])
 def test_ctrl_c_inside_a_step_leaves_the_llm_usable(llm, monkeypatch, where):
     """Ctrl-C lands where a step spends its time: waiting for the previous step's tokens, after the
-    next step was dispatched (or, rarely, while packing it for dispatch). The step the scheduler had planned
-    was left outstanding, so every later step raised and the LLM stayed busy for good. Now the
-    interrupt reaches the caller, and the next call finishes that step first."""
+    next step was dispatched (or, rarely, while packing a step or just after dispatching it). The
+    step the scheduler had planned was left outstanding, so every later step raised and the LLM
+    stayed busy for good. Now the interrupt reaches the caller, and the next call finishes that
+    step first."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    target = (engine, "_finish_inflight") if where == "waiting for the device" else (engine.packer, "pack")
-    real, calls = getattr(*target), []
+    if where == "after dispatching":
+        monkeypatch.setattr(engine, "_counts", _StepCounts(engine._counts, 2))
+    else:
+        target = (engine, "_finish_inflight") if where == "waiting for the device" else (engine.packer, "pack")
+        real, calls = getattr(*target), []
 
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # (the second step: the first one's tokens awaited, the second's dispatched)
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # (the second step: the first one's tokens awaited, the second's dispatched)
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(*target, interrupted)
+        monkeypatch.setattr(*target, interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, params)
+    counts = engine._counts
     monkeypatch.undo()
+    engine._counts.update(counts)  # (what the patched counter counted meanwhile)
     assert not engine.has_unfinished()
     engine.check_invariants()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
