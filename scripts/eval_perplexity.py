@@ -1,9 +1,10 @@
 """Sliding-window perplexity of a model on a text corpus, through the paged forward.
 
 The recipe is HF's "Perplexity of fixed-length models": windows of `--context` tokens whose starts
-advance by `--stride`; each window scores only the tokens the previous window did not (so every
-token after the first is scored exactly once, with at least context - stride tokens of history
-once the first window is past). Every window is a fresh sequence at positions 0.. in the same KV
+advance by `--stride`; each window scores only the tokens the previous window did not (so with a
+stride below the context every token after the first is scored exactly once, with at least
+context - stride tokens of history once the first window is past; with stride == context, as in
+HF's recipe, each window's first token is not scored, having no history in its window). Every window is a fresh sequence at positions 0.. in the same KV
 pages; the step is jitted once with fixed shapes (the last, shorter window is padded).
 
 Corpus text is read as UTF-8 with line ends normalised to "\n", tokenized whole with the model's own
@@ -88,6 +89,8 @@ def main(argv=None) -> dict:
         ap.error(f"--stride {args.stride} must be in [1, --context={args.context}]")
     if args.context % args.page_size:
         ap.error(f"--context {args.context} must be a multiple of --page-size {args.page_size}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        ap.error(f"--max-tokens {args.max_tokens} must be at least 2 (a token is scored given the one before it)")
 
     t0 = time.perf_counter()
     commit = git_commit()  # at start: the tree may move during a long run
@@ -108,6 +111,8 @@ def main(argv=None) -> dict:
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     t_tok = time.perf_counter()
+    if len(ids) < 2:
+        sys.exit(f"{args.corpus}: {len(ids)} tokens; at least 2 are needed to score one")
     print(f"model {cfg.name} ({loaded.dtype}), corpus {args.corpus}: {corpus_tokens} tokens"
           f"{f', evaluating the first {len(ids)}' if len(ids) < corpus_tokens else ''}; "
           f"load {t_load - t0:.1f}s, tokenize {t_tok - t_load:.1f}s", flush=True)
