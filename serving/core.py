@@ -577,5 +577,5 @@ def _check_messages(messages, *, parts: bool) -> list[dict]:
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
                                  param="messages")
         content = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
-        out.append({**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": content})
+        out.append({**m, "role": role, "content": content})  # (each key where the client put it)
     return out

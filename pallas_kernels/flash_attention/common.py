@@ -141,7 +141,7 @@ def validate_inputs(q, k, v, *, sm_scale, causal, sliding_window, soft_cap) -> P
     if causal and T > S:
         raise ValueError(f"causal attention needs T <= S (query i sits at key position S - T + i); got T={T}, S={S}")
     if sliding_window is not None:
-        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+        if not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool) or sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window!r}: must be a positive int or None")
         if not causal:
             raise ValueError("sliding_window needs causal=True (the window ends at the query's own position)")

@@ -158,6 +158,9 @@ def test_reference_matches_naive_softmax():
             w /= w.sum()
             expect[0, i, n] = w @ vn[0, js, n // 2]
     np.testing.assert_allclose(out, expect, atol=1e-5, rtol=1e-5)
+    # a numpy integer window (a config read through numpy) is a window, as the ragged kernel takes it
+    np.testing.assert_array_equal(np.asarray(ref_flash_attention(q, k, v, **{**opts(c), "sliding_window": np.int64(4)})),
+                                  out)
 
 
 def test_cost_estimate_counts_visible_pairs():

@@ -479,6 +479,9 @@ def test_a_template_that_loops_over_content_parts_gets_parts(engine):
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]}]
     assert core.render_chat(msgs) == "user:[hi] assistant:[a][b] "
+    # the keys stay in the client's order, as transformers passes them (content was moved last)
+    core.attach(AsyncEngine(engine, start=False), tokenizer=engine.tokenizer, chat_template="{{ messages[0] | tojson }}")
+    assert core.render_chat([{"content": "x", "role": "user", "name": "n"}]) == '{"content": "x", "role": "user", "name": "n"}'
 
 
 def test_a_model_chat_template_that_does_not_parse_refuses_chat_alone(engine):
