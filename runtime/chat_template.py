@@ -131,9 +131,13 @@ def content_format(template: str) -> str:
 
     ast = chat_template_environment().parse(template)
 
-    def content_of(node) -> bool:  # x['content'] / x.content, under filters (| selectattr ...)
+    def unfiltered(node):  # x | selectattr(...) | list -> x
         while isinstance(node, nodes.Filter) and node.node is not None:
             node = node.node
+        return node
+
+    def content_of(node) -> bool:  # x['content'] / x.content
+        node = unfiltered(node)
         return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
                 or (isinstance(node, nodes.Getattr) and node.attr == "content"))
 
@@ -141,8 +145,7 @@ def content_format(template: str) -> str:
              if isinstance(a.target, nodes.Name) and content_of(a.node)}
 
     def loops_over_content(node) -> bool:
-        while isinstance(node, nodes.Filter) and node.node is not None:
-            node = node.node
+        node = unfiltered(node)
         return content_of(node) or (isinstance(node, nodes.Name) and node.name in names)
 
     return "openai" if any(loops_over_content(f.iter) for f in ast.find_all(nodes.For)) else "string"
@@ -160,10 +163,12 @@ def compile_chat_template(text: str):
         raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
 
 
+@functools.cache
 def chat_template_environment():
-    """The jinja2 environment HF chat templates render in (as transformers sets it up): sandboxed,
-    trim_blocks/lstrip_blocks, `{% generation %}`, loop controls, HF's `tojson`, `raise_exception`,
-    `strftime_now`, and transformers' restricted `dict` and `namespace`. Tokenizer.apply_chat_template and the servers' --chat-template both use it."""
+    """The jinja2 environment HF chat templates render in (as transformers sets it up; one, shared):
+    sandboxed, trim_blocks/lstrip_blocks, `{% generation %}`, loop controls, HF's `tojson`,
+    `raise_exception`, `strftime_now`, and transformers' restricted `dict` and `namespace`.
+    Tokenizer.apply_chat_template and the servers' --chat-template both use it."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

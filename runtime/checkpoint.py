@@ -332,15 +332,11 @@ def save_orbax(loaded: LoadedModel, dst: str | Path) -> Path:
     return dst
 
 
-# besides tokenizer* and special_tokens*: the files Tokenizer.from_pretrained_dir reads from a model folder
-_TOKENIZER_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
-_NAMED_TEMPLATES = "additional_chat_templates"  # a folder of <name>.jinja beside them
-
-
 def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
     import orbax.checkpoint as ocp
 
     from runtime.gguf_tokenizer import is_gguf_file
+    from runtime.tokenizer import FOLDER_FILES, NAMED_CHAT_TEMPLATES
 
     ckptr = ocp.StandardCheckpointer()  # writes on background threads
     try:
@@ -358,14 +354,14 @@ def _write_orbax(loaded: LoadedModel, dst: Path) -> None:
             tdir = dst / "tokenizer"
             tdir.mkdir()
             for f in Path(tok).iterdir():
-                if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in _TOKENIZER_FILES):
+                if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name in FOLDER_FILES):
                     shutil.copy2(f, tdir / f.name)
-            named = Path(tok) / _NAMED_TEMPLATES
+            named = Path(tok) / NAMED_CHAT_TEMPLATES
             if named.is_dir():  # transformers 5's named chat templates (tool_use, ...)
-                (tdir / _NAMED_TEMPLATES).mkdir()
+                (tdir / NAMED_CHAT_TEMPLATES).mkdir()
                 for f in named.glob("*.jinja"):
                     if f.is_file():
-                        shutil.copy2(f, tdir / _NAMED_TEMPLATES / f.name)
+                        shutil.copy2(f, tdir / NAMED_CHAT_TEMPLATES / f.name)
             meta["tokenizer"] = "tokenizer"
         elif is_gguf_file(tok):  # the source model itself: referenced, not copied (GGUF files are large)
             meta["tokenizer"] = str(Path(tok).absolute())

@@ -77,7 +77,7 @@ from runtime.kv_cache import init_kv_pages, kv_pages_shape
 from runtime.llm import CompletionOutput, RequestOutput
 from runtime.plan import StepPlan
 from runtime.request import (FINISH_ABORT, FINISH_STOP, OUTPUT_DELTA, OUTPUT_FINAL_ONLY, Request, SamplingParams,
-                             check_priority, new_request_id, validate_prompt)
+                             check_priority, new_request_id, request_label, validate_prompt)
 from runtime.sampling import sample_seed
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.step import BatchPacker, SeqSampling, make_burst_fn, make_model_fn
@@ -347,7 +347,7 @@ class Engine:
         from any thread."""
         cfg = self.config
         V = self.model.config.vocab_size
-        who = f"request {request_id!r}: " if request_id else ""  # (as the scheduler's messages name it)
+        who = request_label(request_id)
         if prompt_ids and max(prompt_ids) >= V:
             bad = next(t for t in prompt_ids if t >= V)
             raise ValueError(f"{who}prompt token id {bad} is out of range; the vocabulary has {V} ids")

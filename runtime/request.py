@@ -311,6 +311,11 @@ def is_finite(v: numbers.Real) -> bool:
         return False
 
 
+def request_label(request_id: str | None) -> str:
+    """The prefix that names a request in an error message ("request 'x': "); none for an unnamed one."""
+    return f"request {request_id!r}: " if request_id else ""
+
+
 def check_priority(priority) -> None:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority must be an int, got {priority!r}")

@@ -64,6 +64,7 @@ from runtime.request import (
     Request,
     RequestStatus,
     SamplingParams,
+    request_label,
     validate_cache_salt,
     validate_prompt,
 )
@@ -228,7 +229,7 @@ class Scheduler:
 
     def _resolve_max_tokens(self, request_id: str, n_prompt: int, params: SamplingParams) -> int:
         L, G, P = self.config.max_model_len, self.config.page_size, self.config.num_pages
-        who = f"request {request_id!r}: " if request_id else ""  # (a request not yet named: none)
+        who = request_label(request_id)
         if params.max_tokens is None:
             if n_prompt >= L:
                 raise ValueError(

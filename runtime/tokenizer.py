@@ -570,14 +570,13 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
         if lstrip or rstrip:
             strips[content] = (lstrip, rstrip)
     norm = model.normalizer_spec
-    dummy_prefix = norm.add_dummy_prefix or norm.remove_extra_whitespaces
-    bare = None
-    if prepend != "sentencepiece" and norm.add_dummy_prefix:
-        model.normalizer_spec.add_dummy_prefix = False
-        bare = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
-    elif prepend != "sentencepiece":
+    if not norm.add_dummy_prefix:
         prepend = "sentencepiece"  # (no dummy prefix to leave out)
-    dummy_prefix = dummy_prefix and prepend != "never"
+    strip_first = (norm.add_dummy_prefix or norm.remove_extra_whitespaces) and prepend != "never"
+    bare = None
+    if prepend != "sentencepiece":  # the same model without its dummy prefix
+        norm.add_dummy_prefix = False
+        bare = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
     opt = lambda i: i if i >= 0 else None  # noqa: E731
     return _Parts(
         _SentencePieceEncoder(sp, literal_text, strips, bare=bare, prepend=prepend),
@@ -585,7 +584,7 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
             pieces=tuple(table),
             special_ids=frozenset(special),
             literal_ids=frozenset(literal_ids),
-            strip=StripMode.FIRST_PIECE if dummy_prefix else StripMode.NONE,
+            strip=StripMode.FIRST_PIECE if strip_first else StripMode.NONE,
             invalid=InvalidBytes.PER_BYTE,
             special_breaks_bytes=special_breaks_bytes,
         ),
@@ -718,15 +717,21 @@ def _config_added_tokens(cfg: Mapping[str, Any]) -> dict[int, _Added]:
                            bool(v.get("rstrip", False))) for k, v in added.items()}
 
 
+# What Tokenizer.from_pretrained_dir reads from a model folder besides tokenizer* and special_tokens*
+# (`xlaserve convert` copies them): files, and the folder of transformers 5's named chat templates.
+FOLDER_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+NAMED_CHAT_TEMPLATES = "additional_chat_templates"
+
+
 def _config_chat_templates(d: Path, cfg: Mapping[str, Any]) -> dict[str, str]:
     """chat_template.jinja with additional_chat_templates/<name>.jinja (transformers 5's files for a
     default and named templates), else chat_template.json, else tokenizer_config.json's
     chat_template (a string or a list of {"name", "template"}): in the order transformers prefers
     them, the template files replacing the config's templates whole."""
     files = {"default": d / "chat_template.jinja"} if (d / "chat_template.jinja").is_file() else {}
-    if (d / "additional_chat_templates").is_dir():
+    if (d / NAMED_CHAT_TEMPLATES).is_dir():
         files.update((f.name.removesuffix(".jinja"), f)
-                     for f in sorted((d / "additional_chat_templates").glob("*.jinja")) if f.is_file())
+                     for f in sorted((d / NAMED_CHAT_TEMPLATES).glob("*.jinja")) if f.is_file())
     if files:
         return {name: f.read_text(encoding="utf-8") for name, f in files.items()}
     template = _read_json(d / "chat_template.json").get("chat_template", cfg.get("chat_template"))

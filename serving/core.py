@@ -259,7 +259,7 @@ class ServingCore:
         try:
             return tok.apply_chat_template(msgs, add_generation_prompt=options.add_generation_prompt,
                                            continue_final_message=options.continue_final_message,
-                                           chat_template=self._chat_template, **options.template_kwargs)
+                                           chat_template=template, **options.template_kwargs)
         except Exception as e:  # the template parsed at start-up; raise_exception in it and the like are the messages' fault
             raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -367,7 +367,7 @@ class _Formatter:
     def _chunk(self, choices: list) -> dict:
         c = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
         if self.req.continuous_usage:
-            c["usage"] = usage(self.num_prompt, self.completion_tokens, sum(self.cached))
+            c["usage"] = self._usage_so_far()
         elif self.req.include_usage:
             c["usage"] = None
         return c
@@ -406,9 +406,12 @@ class _Formatter:
             chunks.append(self._chunk([choice]))
         return chunks
 
+    def _usage_so_far(self) -> dict:
+        return usage(self.num_prompt, self.completion_tokens, sum(self.cached))
+
     def usage_chunk(self) -> dict:
         return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(self.num_prompt, self.completion_tokens, sum(self.cached))}
+                "usage": self._usage_so_far()}
 
     def full(self, outs: list) -> dict:
         """The whole response from each prompt's final output."""
