@@ -52,6 +52,9 @@ class BodyTooLarge(InvalidRequest):
 class Unauthenticated(ServingError):
     status, type, grpc_code = 401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED
 
+    def headers(self) -> dict[str, str]:  # a 401 names the scheme it wants (RFC 9110, 11.6.1)
+        return {**super().headers(), "WWW-Authenticate": 'Bearer realm="xlaserve"'}
+
 
 class NotFound(ServingError):
     status, type, grpc_code = 404, "not_found_error", grpc.StatusCode.NOT_FOUND

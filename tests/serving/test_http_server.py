@@ -614,7 +614,8 @@ def test_api_keys(engine):
         good = openai.OpenAI(base_url=s.base_url, api_key="sekrit", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices[0].text
         assert httpx.get(s.http_url + "/health").status_code == 200  # health needs no key
-        assert httpx.get(s.http_url + "/metrics").status_code == 401
+        r = httpx.get(s.http_url + "/metrics")
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer ")  # (RFC 9110)
         assert httpx.get(s.http_url + "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(s.base_url + "/models", headers={"X-API-Key": "sekrit"}).status_code == 200
     finally:
