@@ -204,18 +204,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: Sequence[Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """generate() for a conversation (a list of {"role", "content"} messages) or a list of
         them, each rendered with the tokenizer's chat template (or `chat_template`, a template
-        text or the name of one of the model's templates) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat). Each
-        output's `prompt` is the rendered text."""
+        text or the name of one of the model's templates) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat).
+        `tools`: JSON schemas (dicts) or Python functions with type hints and a Google-style docstring
+        (runtime/tool_schema.py). Each output's `prompt` is the rendered text."""
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so chat is not available; use generate() with token ids")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        options = {**(chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
         prompts = [tok.chat_prompt(c, add_generation_prompt, continue_final_message=continue_final_message,
-                                   chat_template=chat_template, **(chat_template_kwargs or {}))
+                                   chat_template=chat_template, **options)
                    for c in conversations]
         outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm=use_tqdm)
         for out, (text, _) in zip(outs, prompts):

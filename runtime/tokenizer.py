@@ -34,6 +34,7 @@ from runtime.detokenizer import (
 )
 from runtime.gguf_tokenizer import is_gguf_file, load_gguf_tokenizer
 from runtime.llama2c_tokenizer import Llama2cEncoder, read_llama2c
+from runtime.tool_schema import tool_schemas
 
 # End-of-turn tokens that stop generation when the vocabulary has them as special tokens, beside
 # the configured EOS (Llama 3 ends a turn with <|eot_id|> but declares <|end_of_text|> as EOS).
@@ -212,7 +213,8 @@ class Tokenizer:
         sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, HF's `tojson`, and
         bos_token/eos_token/unk_token/pad_token in scope; keys whose value is None dropped and
         `reasoning`/`thinking` also passed as `reasoning_content` (runtime/chat_template.py). Extra
-        keyword arguments (`tools`, `documents`, `enable_thinking`, ...) are passed to the template.
+        keyword arguments (`tools`, `documents`, `enable_thinking`, ...) are passed to the template;
+        tools given as Python functions as their JSON schemas (runtime/tool_schema.py).
         `chat_template` is the name of one of the model's templates (when it has several) or a
         template text replacing them; without it, `tool_use` is used when `tools` is given and the
         model has one, else `default`. A template that does not parse is a ValueError
@@ -232,7 +234,7 @@ class Tokenizer:
             if i is not None
         }
         context.update(add_generation_prompt=add_generation_prompt, tools=None, documents=None)
-        context.update(kwargs)
+        context.update(kwargs, tools=tool_schemas(kwargs.get("tools")))
         return render_chat_template(template, messages, context, continue_final_message=continue_final_message)
 
     def resolve_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
