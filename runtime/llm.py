@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from runtime.request import SamplingParams
+from runtime.request import SamplingParams, validate_cache_salt
 
 if TYPE_CHECKING:
     from runtime.checkpoint import LoadedModel
@@ -118,12 +118,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Mapping | Sequence[Mapping],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) and return the final outputs in order.
+        A prompt may also be a dict as vLLM's TextPrompt / TokensPrompt: {"prompt": text} or
+        {"prompt_token_ids": ids} (its optional "prompt" the text reported back), with an optional
+        "cache_salt" (the prefix cache shares its pages only with prompts of the same salt).
 
         A prompt that can never run raises ValueError naming it ('prompt i') before the second
         step, with every request of the call withdrawn."""
@@ -188,11 +191,12 @@ class LLM:
             i, (p, sp) = unchecked.popleft()
             rid = f"prompt {i}"  # (named in the errors as Engine.validate names a request)
             try:
+                p, given_text, salt = _prompt_fields(p)
                 text, prompt_ids = engine.prepare_prompt(p)
             except ValueError as e:
                 raise ValueError(f"request {rid!r}: {e}") from None
             engine.validate(prompt_ids, sp, request_id=rid)
-            todo.append((prompt_ids, text, sp))
+            todo.append((prompt_ids, text if text is not None else given_text, sp, salt))
             tokens += len(prompt_ids)
 
     def chat(
@@ -220,10 +224,8 @@ class LLM:
         prompts = [tok.chat_prompt(c, add_generation_prompt, continue_final_message=continue_final_message,
                                    chat_template=chat_template, **options)
                    for c in conversations]
-        outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm=use_tqdm)
-        for out, (text, _) in zip(outs, prompts):
-            out.prompt = text
-        return outs
+        return self.generate([{"prompt_token_ids": ids, "prompt": text} for text, ids in prompts], sampling_params,
+                             use_tqdm=use_tqdm)
 
     def _queue(self, todo: deque, ids: list[str]) -> None:
         """Queue prompts from `todo` until the scheduler holds two steps' worth of prompt tokens or
@@ -234,8 +236,8 @@ class LLM:
         engine = self.engine
         waiting, tokens = engine.waiting()
         while todo and self._room(waiting, tokens):
-            prompt_ids, text, sp = todo.popleft()
-            ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text))
+            prompt_ids, text, sp, salt = todo.popleft()
+            ids.append(engine.enqueue_checked(prompt_ids, sp, prompt_text=text, cache_salt=salt))
             waiting, tokens = waiting + 1, tokens + len(prompt_ids)
 
     def _room(self, requests: int, tokens: int) -> bool:
@@ -253,8 +255,35 @@ class LLM:
             engine.step()
 
 
-def _normalize_prompts(prompts) -> list[str | list[int]]:
-    if isinstance(prompts, str):
+# vLLM's TextPrompt / TokensPrompt keys this engine reads (multimodal ones are refused)
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _prompt_fields(p) -> tuple[str | Sequence[int], str | None, str | None]:
+    """(the prompt for Engine.prepare_prompt, the text to report for ids, cache_salt) of a prompt;
+    ValueError for a dict prompt without a prompt or with keys this engine does not read."""
+    if not isinstance(p, Mapping):
+        return p, None, None
+    unknown = [k for k in p if k not in _PROMPT_KEYS]
+    if unknown:
+        raise ValueError(f"prompt keys {unknown} are not supported; a dict prompt has 'prompt' (text) or "
+                         "'prompt_token_ids', and optionally 'cache_salt'")
+    text = p.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+    salt = validate_cache_salt(p.get("cache_salt"))
+    if p.get("prompt_token_ids") is not None:
+        ids = p["prompt_token_ids"]
+        if isinstance(ids, (str, bytes, Mapping)) or not (isinstance(ids, Sequence) or hasattr(ids, "tolist")):
+            raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+        return (ids.tolist() if hasattr(ids, "tolist") else ids), text, salt
+    if text is None:
+        raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+    return text, None, salt
+
+
+def _normalize_prompts(prompts) -> list[str | list[int] | Mapping]:
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -268,10 +297,11 @@ def _normalize_prompts(prompts) -> list[str | list[int]]:
     # and truncated floats where the check rejects them.
     out = []
     for p in prompts:
-        if isinstance(p, str):
+        if isinstance(p, (str, Mapping)):
             out.append(p)
         elif isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
             out.append(p.tolist() if hasattr(p, "tolist") else p)
         else:
-            raise TypeError(f"a prompt must be a str or a sequence of token ids, got {type(p).__name__}")
+            raise TypeError(f"a prompt must be a str, a sequence of token ids or a dict (vLLM's TextPrompt / "
+                            f"TokensPrompt), got {type(p).__name__}")
     return out

@@ -395,6 +395,35 @@ def test_prompt_ids_of_any_integer_type_and_nothing_else(llm):
     llm.engine.check_invariants()
 
 
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts: the same tokens as the plain forms; a TokensPrompt's
+    "prompt" is reported as its text; a cache_salt keeps the prompt's pages from other salts'
+    prompts (no prefix-cache hit); anything else a dict may hold is refused, naming the prompt."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    want = llm.generate(PROMPTS[2], sp)[0]
+    outs = llm.generate([{"prompt": PROMPTS[2]}, {"prompt_token_ids": ids}, {"prompt_token_ids": np.asarray(ids),
+                                                                          "prompt": "shown"}], sp)
+    assert [o.outputs[0].token_ids for o in outs] == [want.outputs[0].token_ids] * 3
+    assert [o.prompt for o in outs] == [PROMPTS[2], None, "shown"] and outs[1].prompt_token_ids == ids
+    assert llm.generate({"prompt": PROMPTS[2]}, sp)[0].outputs[0].token_ids == want.outputs[0].token_ids
+    long = llm.tokenizer.encode("Once upon a time there was a little girl named Lily. She liked to play " * 2)
+    llm.generate([long], sp)  # its full pages are now cached
+    hits = llm.engine.stats().prefix_cache_hit_tokens
+    llm.generate([{"prompt_token_ids": long, "cache_salt": "tenant-a"}], sp)
+    assert llm.engine.stats().prefix_cache_hit_tokens == hits  # a salt shares nothing with unsalted pages
+    llm.generate([{"prompt_token_ids": long, "cache_salt": "tenant-a"}], sp)
+    assert llm.engine.stats().prefix_cache_hit_tokens > hits  # ... but with its own salt's
+    for bad, needle in (({"prompt": PROMPTS[0], "multi_modal_data": {}}, r"prompt keys \['multi_modal_data'\] are not"),
+                        ({"cache_salt": "x"}, "needs 'prompt'"), ({"prompt": 5}, "'prompt' must be a string"),
+                        ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
+                        ({"prompt": "a", "cache_salt": 5}, "cache_salt must be a string")):
+        with pytest.raises(ValueError, match="request 'prompt 1': .*" + needle):
+            llm.generate(["a", bad], sp)
+    assert not llm.engine.has_unfinished()
+    llm.engine.check_invariants()
+
+
 def test_bad_prompt_raises_before_anything_runs(llm):
     before = llm.engine.stats()
     with pytest.raises(ValueError, match=r"request 'prompt 5': .*max_model_len is 256"):
