@@ -240,6 +240,11 @@ class DecodeRules:
         )
 
 
+def _utf8_length(lead: int) -> int:
+    """The length of the UTF-8 sequence a valid lead byte starts."""
+    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+
+
 def unescape_invalid(text: str) -> str:
     return _ESCAPED_BYTE.sub("\ufffd", text) if _ESCAPED_BYTE.search(text) else text
 
@@ -249,9 +254,11 @@ class IncrementalDetokenizer:
     `flush()` equals the full decode of all ids stepped.
 
     `prompt_ids` are consumed without producing text; the outputs are then the tail of
-    `decode(prompt_ids + generated)` after `decode(prompt_ids)` (when the prompt ends inside a UTF-8
-    character, the first ids that complete it emit the whole character). The prompt matters:
-    after it, the first generated "▁Paris" is " Paris", not the "Paris" that starts a text.
+    `decode(prompt_ids + generated)` after `decode(prompt_ids)`. A prompt that ends inside a UTF-8
+    character (ids cut from a longer text) holds its bytes back: the first ids that complete the
+    character emit it whole; ids that cannot complete it leave it to the prompt, whose decode shows
+    it as U+FFFD, and start the output afresh. The prompt matters: after it, the first generated
+    "▁Paris" is " Paris", not the "Paris" that starts a text.
     """
 
     def __init__(self, table: PieceTable, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
@@ -262,8 +269,11 @@ class IncrementalDetokenizer:
         self._first_piece = True  # no piece decoded yet (StripMode.FIRST_PIECE)
         self._first_text = True  # no text produced yet (StripMode.OUTPUT)
         self._flushed = False
+        self._carry = b""  # the prompt's unfinished UTF-8 character (`_with_carry`)
         if prompt_ids:
             self._feed(prompt_ids, final=False)
+            self._carry = self._utf8.getstate()[0]
+            self._utf8.reset()
 
     def step(self, new_ids: int | Iterable[int]) -> str:
         """Adds generated ids; returns the text they complete (possibly empty)."""
@@ -289,7 +299,7 @@ class IncrementalDetokenizer:
             i = table.check_id(token_id)
             if self._skip and i in table.special_ids:
                 if table.special_breaks_bytes:  # end any pending byte run, as decode() does
-                    done.append(self._utf8.decode(bytes(out), True))
+                    done.append(self._utf8.decode(self._with_carry(bytes(out), True), True))
                     out.clear()
                 continue
             piece = table.pieces[i]
@@ -299,7 +309,7 @@ class IncrementalDetokenizer:
                 self._first_piece = False
                 piece = table.first_piece_bytes(i, piece)
             out += piece
-        text = "".join(done) + self._utf8.decode(bytes(out), final)
+        text = "".join(done) + self._utf8.decode(self._with_carry(bytes(out), final), final)
         if table.invalid is InvalidBytes.PER_BYTE:
             text = unescape_invalid(text)
         if text and self._first_text:
@@ -307,3 +317,26 @@ class IncrementalDetokenizer:
             if table.strip is StripMode.OUTPUT and text.startswith(" "):
                 text = text[1:]
         return text
+
+    def _with_carry(self, data: bytes, final: bool) -> bytes:
+        """The bytes to decode for generated `data`, given the prompt's unfinished character: with
+        it when `data` completes the character, without it (it stays the prompt's U+FFFD) when
+        `data` cannot; nothing while `data` may still complete it and the stream goes on."""
+        carry = self._carry
+        if not carry:
+            return data
+        head = data[:_utf8_length(carry[0]) - len(carry)]
+        try:
+            complete = codecs.getincrementaldecoder("utf-8")().decode(carry + head, False)
+        except UnicodeDecodeError:  # the output does not continue the character
+            self._carry = b""
+            return data
+        if complete:
+            self._carry = b""
+            return carry + data
+        # (head is all of data here) still a valid start of the character
+        if not final:
+            self._carry = carry + data
+            return b""
+        self._carry = b""  # never completed: decode(prompt + data) shows the bytes as the prompt's did
+        return data if self._table.invalid is InvalidBytes.PER_BYTE else b""

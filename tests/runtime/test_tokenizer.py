@@ -385,6 +385,24 @@ def test_streaming_flush_emits_dangling_bytes_once():
         det.step([15043])
 
 
+@pytest.mark.parametrize("name", list(STREAM_TOKENIZERS))
+def test_streaming_after_a_prompt_cut_inside_a_character(name):
+    """A prompt of ids that ends inside a character: output that completes it emits it whole; output
+    that does not leaves it to the prompt (decode shows it there as U+FFFD) and starts afresh. The
+    prompt's bytes came out as U+FFFD at the output's start, even when it was only EOS."""
+    tok = STREAM_TOKENIZERS[name]()
+    ids = tok.encode("Hi 𝔘", add_special_tokens=False)
+    cut = max(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    more = tok.encode(" world", add_special_tokens=False)[-1:]
+    for out in (more, ids[cut:] + more, ids[cut:-1], []):
+        det = tok.incremental_detokenizer(prompt_ids=ids[:cut])
+        streamed = "".join(det.step([i]) for i in out) + det.flush()
+        complete = out[:len(ids) - cut] == ids[cut:]
+        want = tok.decode(ids + more)[len(tok.decode(ids[:cut]).rstrip("\ufffd")):] if complete else \
+            tok.decode(ids[:cut] + out)[len(tok.decode(ids[:cut])):]
+        assert streamed == want, (out, streamed)
+
+
 # --- tokenizer.json folders, compared with transformers --------------------------------------------
 
 CHAT_TEMPLATE = """{%- set ns = namespace(sys=none) -%}
