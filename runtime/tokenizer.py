@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -266,8 +266,9 @@ class Tokenizer:
             if cfg.get("split_special_tokens"):
                 raise ValueError(f"{d}: split_special_tokens is supported with a tokenizer.json, not a tokenizer.model")
             # decoded as transformers' (fast) tokenizer built from it does
-            parts = _sentencepiece_parts(d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False,
-                                         prepend=_spm_prepend_scheme(cfg))
+            parts = _transformers_decode(_sentencepiece_parts(
+                d / "tokenizer.model", _config_added_tokens(cfg), special_breaks_bytes=False,
+                prepend=_spm_prepend_scheme(cfg)), cfg)
         else:
             raise FileNotFoundError(f"{d} has neither tokenizer.json nor tokenizer.model")
 
@@ -499,6 +500,24 @@ def _spm_prepend_scheme(cfg: Mapping[str, Any]) -> str:
     if cfg.get("add_prefix_space") is False:
         return "never"
     return "always" if cfg.get("legacy", False) else "first"
+
+
+def _transformers_decode(parts: _Parts, cfg: Mapping[str, Any]) -> _Parts:
+    """A tokenizer.model folder's ids decode as transformers 5's tokenizer built from it: <unk> a
+    special token shown as written (sentencepiece writes " ⁇ ", never skipped) and, for its
+    LlamaTokenizer (unless `add_prefix_space: false`) and a config naming no class (its generic
+    conversion), one leading space stripped from the text whatever wrote it (their Strip decoder;
+    sentencepiece strips only a first "▁" piece's)."""
+    table = parts.table
+    pieces, special, strip = list(table.pieces), set(table.special_ids), table.strip
+    if parts.unk_id is not None:
+        pieces[parts.unk_id] = parts.pieces[parts.unk_id].encode("utf-8")
+        special.add(parts.unk_id)
+    if cfg.get("tokenizer_class") is None:
+        strip = StripMode.OUTPUT
+    elif cfg.get("tokenizer_class") in _LLAMA_TOKENIZER_CLASSES:
+        strip = StripMode.NONE if cfg.get("add_prefix_space") is False else StripMode.OUTPUT
+    return replace(parts, table=replace(table, pieces=tuple(pieces), special_ids=frozenset(special), strip=strip))
 
 
 def _sentencepiece_parts(path: Path, added: Mapping[int, _Added], *, special_breaks_bytes: bool,
