@@ -213,6 +213,9 @@ class Engine:
             raise ValueError(f"the engine runs float32 and bfloat16 models; this one is {np.dtype(model.dtype).name} "
                              "(load it with dtype 'auto' or 'bfloat16')")
         cfg = model.config
+        if config.max_logprobs > cfg.vocab_size:  # (the step's top-k of the logits would fail inside a step)
+            raise ValueError(f"max_logprobs {config.max_logprobs} exceeds the model's vocabulary of {cfg.vocab_size} "
+                             "ids")
         max_len = config.max_model_len or cfg.max_position_embeddings
         config = config.resolve(
             max_position_embeddings=cfg.max_position_embeddings,

@@ -445,6 +445,13 @@ def test_partial_false_returns_only_finished_outputs_with_all_their_tokens(engin
     check_idle(engine)
 
 
+def test_max_logprobs_past_the_vocabulary_is_refused(model):
+    """A cap over the vocabulary (512 ids) made the first logprobs step fail inside the device call
+    (a top-k wider than the logits), with the KV pool donated: the engine was unusable after it."""
+    with pytest.raises(ValueError, match="max_logprobs 513 exceeds the model's vocabulary of 512 ids"):
+        make_engine(model, max_logprobs=513, warmup=False)
+
+
 def test_rejects_requests_that_can_never_run(engine):
     with pytest.raises(ValueError, match=r"250 tokens \+ max_tokens 10 = 260 tokens; max_model_len is 256"):
         engine.add_request([5] * 250, SamplingParams(max_tokens=10))
