@@ -196,7 +196,7 @@ def init_dummy(cfg: ModelConfig, *, mesh: jax.sharding.Mesh, dtype=jnp.bfloat16,
     return LoadedModel(cfg, graphdef, nnx.from_flat_state(leaves), mesh, dtype, f"dummy:{cfg.name}")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # (bounded: a jit keeps its programs while it lives; a model has ~10 shapes)
 def _random_array(kind: str, shape: tuple[int, ...], dtype, sharding, repeat: int = 1):
     """A jitted key -> array in `sharding`. repeat > 1: a merged qkv param, drawn in its canonical
     layout and repeated (models.llama.repeat_qkv), so the copies of a KV head are equal."""

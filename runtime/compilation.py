@@ -231,14 +231,16 @@ class StepExecutor:
         self.page_table = jax.device_put(np.zeros((self.slots, probe.layout.P), np.int32), rep)
         self._row_lease = [0] * self.slots
         self._row_pages = [0] * self.slots
-        self._set_pages = jax.jit(_set_pages, donate_argnums=(0,), out_shardings=rep)
+        # this executor's own function object: a jit of the module's function kept its programs (one
+        # set per page table shape) for the life of the process
+        self._set_pages = jax.jit(functools.partial(_set_pages), donate_argnums=(0,), out_shardings=rep)
         self._no_prev = jax.device_put(np.zeros(self.slots, np.int32), rep)
         # the previous step's tokens when it was a burst (history placeholders read them); zeros else
         self._no_prev_burst = jax.device_put(np.zeros((decode_steps, self.slots), np.int32), rep)
-        self._samplers = {
-            name: (jax.jit(p.fn, out_shardings=rep), p.args)
-            for name, p in sampler_programs(max_logprobs, self.slots, vocab_size).items()
-        }
+        # held: the programs are shared with the other live executors and go with the last of them
+        self._sampler_programs = sampler_programs(max_logprobs, self.slots, vocab_size)
+        self._samplers = {name: (jax.jit(p.fn, out_shardings=rep), p.args)
+                          for name, p in self._sampler_programs.items()}
         self._abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                  for x in self._param_leaves]
         self._abstract_kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in kv_pages)

@@ -64,6 +64,7 @@ temperature), as vLLM returns by default: the sampled token's, plus the top `max
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -527,11 +528,29 @@ class SamplerProgram(NamedTuple):
     #                        step's when it was a burst)
 
 
-@functools.cache
+class _Programs(dict):
+    """A dict that a weakref.WeakValueDictionary can hold (a plain dict takes no weak references)."""
+
+
+# (max_logprobs, slots, vocab_size) -> the programs, while some executor holds them. JAX keeps the
+# traces and executables of a function object as long as it lives: a functools.cache here kept every
+# sampler executable ever compiled alive for the life of the process (~600 memory maps per config).
+_SAMPLER_PROGRAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def sampler_programs(max_logprobs: int, slots: int, vocab_size: int) -> dict[str, SamplerProgram]:
-    """The sampler programs by name; their tokens are i32[slots] (`pad_slots`). Cached: JAX caches
-    traces and executables per function object, so engines in one process compile each shape once
-    between them."""
+    """The sampler programs by name; their tokens are i32[slots] (`pad_slots`). Shared while the
+    returned dict is alive (StepExecutor keeps it): JAX caches traces and executables per function
+    object, so engines alive together compile each shape once between them, and the programs go
+    with the last of them."""
+    key = (max_logprobs, slots, vocab_size)
+    programs = _SAMPLER_PROGRAMS.get(key)
+    if programs is None:
+        programs = _SAMPLER_PROGRAMS[key] = _Programs(_build_sampler_programs(max_logprobs, slots, vocab_size))
+    return programs
+
+
+def _build_sampler_programs(max_logprobs: int, slots: int, vocab_size: int) -> dict[str, SamplerProgram]:
     return {
         "count": SamplerProgram(functools.partial(count, vocab_size=vocab_size),
                                 ("rows", "history", "prev", "prev_burst")),

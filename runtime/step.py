@@ -134,7 +134,8 @@ def make_model_fn(forward: Callable) -> Callable:
 
     One function object per forward, kept on the forward function itself: JAX caches traces,
     lowerings and executables per function object, so engines over the same loaded model (several
-    configs in one process, tests) compile each bucket shape once between them.
+    configs in one process, tests) compile each bucket shape once between them. The programs live
+    as long as the loaded model: drop it to free them.
     """
     return _cached(forward, "_xlaserve_model_fn", _build_model_fn)
 

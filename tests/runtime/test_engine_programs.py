@@ -331,3 +331,27 @@ def test_warmup_runs_each_program_once_and_writes_no_kv(monkeypatch):
         eng.close()
         if plain is not None:
             plain.close()
+
+
+def test_a_dropped_engines_programs_are_freed():
+    """JAX keeps a function object's compiled programs while it lives. The sampler programs were
+    cached for good, and the page-table update jitted a module function: every shape an engine ever
+    ran stayed compiled (~600 memory maps a slot count; a sweep over shapes ran into the kernel's map
+    limit). Now they go with the last engine that holds them."""
+    import gc
+    import weakref
+
+    from runtime.sampling import sampler_programs
+
+    model = scaled_dummy(seed=0)
+    engine = Engine(model, EngineConfig(**{**BASE, "warmup": False}))
+    V, slots = model.config.vocab_size, engine.executor.slots
+    pick = weakref.ref(sampler_programs(engine.config.max_logprobs, slots, V)["pick"].fn)
+    pages = weakref.ref(engine.executor._set_pages.__wrapped__)
+    assert pick() is not None and pages() is not None
+    other = Engine(model, EngineConfig(**{**BASE, "warmup": False}))  # engines alive together share them
+    assert sampler_programs(other.config.max_logprobs, slots, V)["pick"].fn is pick()
+    engine.close(), other.close()
+    del engine, other
+    gc.collect()
+    assert pick() is None and pages() is None
