@@ -77,7 +77,13 @@ async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
 
 
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers())
+    headers = exc.headers()
+    client = request.headers.get("x-request-id")
+    if client is not None:  # echoed for tracing, as on success: when it is an id we would take
+        with contextlib.suppress(InvalidRequest):
+            check_request_id(client)
+            headers["X-Request-Id"] = client
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

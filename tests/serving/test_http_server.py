@@ -663,4 +663,7 @@ def test_client_request_ids(server):
         assert again.status_code == 200 and again.json()["id"] == "cmpl-same"
         first.read()
     r = httpx.post(server.base_url + "/completions", json=body, headers={"X-Request-Id": "has space"}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and "x-request-id" not in r.headers
+    r = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 10**6},
+                   headers={"X-Request-Id": "failed-9"}, timeout=60)  # an error echoes the client's id too
+    assert r.status_code == 400 and r.headers["x-request-id"] == "failed-9"
