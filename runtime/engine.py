@@ -420,6 +420,10 @@ class Engine:
         """User requests added and not yet finished (or whose final output is still to come)."""
         return len(self._groups)
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether `request_id` names a request added and not yet finished (or aborted)."""
+        return request_id in self._groups
+
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return (bool(self._groups) or self._inflight is not None or self._unapplied is not None

@@ -69,6 +69,7 @@ class ReplicatedEngine:
         self.tokenizer = self.replicas[0].tokenizer  # (sized to the model's vocabulary)
         self.eos_ids = self.replicas[0].eos_ids
         self._where: dict[str, Engine] = {}  # live request id -> its replica
+        self._held: list[RequestOutput] = []  # outputs of a step call a later replica's exception ended
         self._ids = itertools.count()
 
     @property
@@ -116,8 +117,12 @@ class ReplicatedEngine:
         self.replicas[0].validate(prompt_ids, params, request_id=request_id)
 
     def abort(self, request_id: str) -> bool:
+        """Engine.abort: the id is free for a new request at once, as on one Engine."""
         engine = self._where.get(request_id)
-        return engine is not None and engine.abort(request_id)
+        if engine is None or not engine.abort(request_id):
+            return False
+        del self._where[request_id]
+        return True
 
     def waiting(self) -> tuple[int, int]:
         """(requests, prompt tokens) queued and not yet admitted, over every replica."""
@@ -142,17 +147,24 @@ class ReplicatedEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.replicas)
+        return bool(self._held) or any(e.has_unfinished() for e in self.replicas)
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
-        """One step of every replica that has work (Engine.step); their outputs together."""
-        outputs: list[RequestOutput] = []
-        for e in self.replicas:
-            if e.has_unfinished():
-                outputs.extend(e.step(partial=partial))
-        for out in outputs:
-            if out.finished:
-                self._where.pop(out.request_id, None)
+        """One step of every replica that has work (Engine.step); their outputs together. An
+        exception from a replica's step (Ctrl-C while it waits for the device) keeps the outputs the
+        replicas before it gave for the next call, which carries on as Engine.step does."""
+        outputs, self._held = self._held, []
+        try:
+            for e in self.replicas:
+                if e.has_unfinished():
+                    outs = e.step(partial=partial)
+                    for out in outs:  # (an aborted request's id may already name a new one)
+                        if out.finished and self._where.get(out.request_id) is e and not e.is_live(out.request_id):
+                            del self._where[out.request_id]
+                    outputs.extend(outs)
+        except BaseException:
+            self._held = outputs
+            raise
         return outputs
 
     # -- stats and checks -----------------------------------------------------------------------
@@ -169,3 +181,6 @@ class ReplicatedEngine:
             e.check_invariants()
         if not self.has_unfinished():
             assert not self._where, f"{len(self._where)} request ids still mapped to a replica"
+        if not self._held:
+            stale = [rid for rid, e in self._where.items() if not e.is_live(rid)]
+            assert not stale, f"request ids {stale} mapped to a replica that does not hold them"

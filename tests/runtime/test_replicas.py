@@ -6,6 +6,7 @@ test_engine.py::test_mesh_equals_single_device; on two GPUs, test_engine_gpu.py.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -87,6 +88,59 @@ def test_requests_spread_over_replicas_and_abort_where_they_run(engine2):
         assert reason == ("abort" if rid in (ids[1], ids[4]) else "length")
     check_idle(engine2)
     assert engine2.stats().num_aborted >= 2
+
+
+def test_an_id_reused_after_an_abort_gets_both_final_outputs(engine2):
+    """As on one Engine: an aborted id is free at once, wherever the new request runs (the mapping
+    stayed until the next step: 'already live'), and the old request's final output does not
+    unmap the new one."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine2.add_request([5, 6, 7], params, request_id="x")
+    engine2.step()
+    assert engine2.abort("x")
+    engine2.add_request([8, 9], params, request_id="x")
+    finals = [(o.request_id, len(o.prompt_token_ids)) for o in engine2.step() if o.finished]
+    assert finals == [("x", 3)] and engine2.abort("x")  # the second was still live, under the same id
+    while engine2.has_unfinished():
+        finals += [(o.request_id, len(o.prompt_token_ids)) for o in engine2.step() if o.finished]
+        engine2.check_invariants()
+    assert finals == [("x", 3), ("x", 2)]
+    check_idle(engine2)
+
+
+def test_outputs_survive_an_exception_in_a_later_replicas_step(engine2):
+    """Ctrl-C while replica 1 waits for the device: what replica 0 gave in that call comes out of
+    the next one (they were dropped: a token lost from a stream, or a final output and the id mapped
+    for good)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind="delta")
+    a = engine2.add_request([5, 6, 7], params)
+    b = engine2.add_request([8, 9, 10, 11], params)
+    assert [engine2._where[r] for r in (a, b)] == engine2.replicas
+    r1, calls = engine2.replicas[1], []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return type(r1)._finish_inflight(r1)
+
+    r1._finish_inflight = interrupted
+    seen = {a: [], b: []}
+    try:
+        while engine2.has_unfinished():
+            try:
+                outs = engine2.step()
+            except KeyboardInterrupt:
+                continue
+            for o in outs:
+                seen[o.request_id] += o.outputs[0].new_token_ids
+            engine2.check_invariants()
+    finally:
+        del r1._finish_inflight
+    want = {r: run_one(engine2, p, replace(params, output_kind="cumulative")).outputs[0].token_ids
+            for r, p in ((a, [5, 6, 7]), (b, [8, 9, 10, 11]))}
+    assert len(calls) > 3 and seen == want
+    check_idle(engine2)
 
 
 def test_unseeded_requests_draw_different_seeds_on_each_replica(engine2):
