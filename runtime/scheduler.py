@@ -20,6 +20,9 @@ what must be recomputed, so its output does not change (recompute preemption, vL
 A waiting request whose next prompt page is being computed right now by another running request
 (same tokens, same salt) is deferred until that page is registered, so that a burst of prompts
 sharing a prefix computes the prefix once instead of once per request admitted in the same step.
+It keeps its place: the requests behind it are admitted only into what leaves it a slot and its
+pages. A waiting fork (n > 1) holding the last reference to pages is preempted before running
+requests when it would be admitted after the request that needs a page.
 
 Lookahead (the engine planning step k+1 while the device still runs step k):
 update_from_output(plan, None) accounts step k's K/V and gives each sampling sequence a
@@ -531,7 +534,7 @@ class Scheduler:
         preempted itself."""
         need = _cdiv(num_tokens, self.config.page_size) - len(req.pages)
         while need > self.allocator.num_available:
-            victim = self._pick_victim()
+            victim = self._pick_victim(req)
             if victim is req:
                 self._preempt(victim, ctx)
                 return False
@@ -556,19 +559,24 @@ class Scheduler:
         self._ensure_pages(req, req.num_computed_tokens + n, ctx)
         return n
 
-    def _pick_victim(self) -> Request:
-        # Waiting forks hold shared pages but have computed nothing of their own: cheapest first.
-        holders = [r for r in self._waiting if r.pages]
-        pool = holders or self._running
-        return max(pool, key=lambda r: r.order_key)
+    def _pick_victim(self, req: Request) -> Request:
+        # Waiting forks have computed nothing of their own: cheapest first, but only those whose drop
+        # frees a page (the last reference: pages shared with a running parent free nothing) and
+        # that would be admitted after req (a better one keeps its pages; req preempts itself).
+        refcount = self.allocator.refcount
+        holders = [r for r in self._waiting if r.pages and r.order_key > req.order_key
+                   and any(refcount(p) == 1 for p in r.pages)]
+        return max(holders or self._running, key=lambda r: r.order_key)
 
     def _admit(self, ctx: _StepBuilder) -> None:
         if ctx.preempted or not self._waiting:
             return
         cfg, G = self.config, self.config.page_size
         outstanding = sum(_cdiv(r.prefill_target, G) - len(r.pages) for r in self._running if r.is_prefill)
+        deferred = 0  # slots kept for deferred requests (their pages are counted in `outstanding`)
         for req in list(self._waiting):
-            if ctx.budget < 1 or len(self._running) >= cfg.max_num_seqs or req.token_ids[-1] < 0:
+            if (ctx.budget < 1 or len(self._running) + deferred >= cfg.max_num_seqs
+                    or req.token_ids[-1] < 0):
                 break  # (a placeholder: preempted before its last step was resolved; hashes need it)
             hits: list[int] = []
             fork = bool(req.pages)
@@ -579,7 +587,11 @@ class Scheduler:
                 hits = self.prefix_cache.match(req.page_hashes, req.num_tokens)
                 k = len(hits)
                 if k < (req.num_tokens - 1) // G and self._inflight[req.page_hashes[k]] > 0:
-                    continue  # its next page is being computed now: wait for it, then share it
+                    # its next page is being computed now: wait for it, then share it; its slot and
+                    # pages stay its own, so that nobody behind it takes them meanwhile
+                    deferred += 1
+                    outstanding += _cdiv(req.num_tokens, G) - k
+                    continue
                 start = k * G
             else:
                 start = 0

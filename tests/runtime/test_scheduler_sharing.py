@@ -149,3 +149,57 @@ def test_forks_offer_the_shared_pages_when_their_parent_is_aborted_first():
     assert seq.start_pos == 12  # the 3 full prompt pages came from the cache
     h.run()
     h.check_drained()
+
+
+# -- waiting requests that share pages keep their place -------------------------------------------
+def test_a_deferred_request_keeps_its_slot():
+    """H waits for a prompt page A is computing (deferred, to share it); L, behind it (priority 5,
+    later), took the last slot meanwhile and H ran only after L's whole generation."""
+    rng = random.Random(0)
+    shared = rand_prompt(rng, 20)
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    h.add("A", shared, SamplingParams(max_tokens=30, ignore_eos=True))
+    h.step()  # A: prompt tokens 0-15
+    h.add("H", shared + [7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    h.add("L", rand_prompt(rng, 3), SamplingParams(max_tokens=25, ignore_eos=True), priority=5)
+    first = {}
+    while h.sched.has_unfinished():
+        for s in h.step().seqs:
+            first.setdefault(s.request_id, len(h.plans))
+    assert first["H"] < first["L"] and h.reqs["H"].num_cached_tokens == 20  # (it shared A's prompt pages)
+    h.check_all_exact()
+    h.check_drained()
+
+
+def test_a_waiting_fork_keeps_pages_that_dropping_would_not_free_or_that_a_worse_request_wants():
+    """A running request short of a page dropped every waiting fork's pages first: pages its running
+    parent still held (nothing freed; the forks recomputed them), and a priority-0 fork's pages for
+    a priority-5 request, which is the one to preempt (the docstring's rule: the running request
+    that would be admitted last, possibly itself)."""
+    rng = random.Random(0)
+    h = Harness(num_pages=5, page_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
+                watermark=0.0, enable_prefix_caching=False)
+    h.add("P", rand_prompt(rng, 12), SamplingParams(max_tokens=8, ignore_eos=True, n=3))
+    h.step()  # P: prompt 0-7
+    h.add("Q", rand_prompt(rng, 3), SamplingParams(max_tokens=12, ignore_eos=True))
+    plan = h.sched.step(); h.dev.planned(plan); h.plans.append(plan)  # noqa: E702 - P's last chunk, Q
+    kids = h.sched.fork("P", ["P#1", "P#2"])
+    h.reqs.update({k.request_id: k for k in kids})
+    h.sched.update_from_output(plan, h.dev.run(plan))
+    while not plan.preempted_ids:
+        before = [list(k.pages) for k in kids]
+        plan = h.step()
+    assert plan.preempted_ids == ("Q",) and [k.pages for k in kids] == before == [[0, 1], [0, 1]]
+    h.run(); h.check_all_exact(); h.check_drained()  # noqa: E702
+
+    h = Harness(num_pages=5, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, watermark=0.0)
+    low = h.add("L", rand_prompt(rng, 2), SamplingParams(max_tokens=19, ignore_eos=True), priority=5)
+    h.step(); h.step()  # noqa: E702
+    h.add("H", rand_prompt(rng, 13), SamplingParams(max_tokens=1, ignore_eos=True, n=2))
+    plan = h.sched.step(); h.dev.planned(plan); h.plans.append(plan)  # noqa: E702 - L, H's whole prompt
+    (kid,) = h.sched.fork("H", ["H#1"], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    h.reqs["H#1"] = kid
+    h.sched.update_from_output(plan, h.dev.run(plan))
+    assert len(kid.pages) == 3  # H finished: the waiting fork alone holds its prompt's full pages
+    h.run(); h.check_all_exact(); h.check_drained()  # noqa: E702
+    assert kid.num_cached_tokens == 12 and low.num_preemptions == 1
