@@ -416,9 +416,9 @@ class Engine:
         pc = self.scheduler.prefix_cache
         return 0 if pc is None else pc.cached_prefix_pages(prompt_ids, cache_salt) * self.config.page_size
 
-    def num_live_requests(self) -> int:
-        """User requests added and not yet finished (or whose final output is still to come)."""
-        return len(self._groups)
+    def num_live_sequences(self) -> int:
+        """The sequences (n a request) of the requests added and not yet finished: the slots they want."""
+        return sum(group.params.n for group in self._groups.values())
 
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` names a request added and not yet finished (or aborted)."""

@@ -5,8 +5,8 @@ own scheduler, KV pool and compiled programs, sharing the loaded weights (Loaded
 no copy). A request runs on one replica from start to end (its n samples too: they share its
 prompt's pages). A new request goes to the replica whose prefix cache holds the most of its prompt
 (multi-turn chats return to the replica that has their history), unless that replica has
-max_num_seqs more live requests than the least loaded one; with no cached prefix anywhere, to the
-replica with the fewest live requests, the earlier one on a tie. `step()` steps every replica that
+max_num_seqs more live sequences (n a request) than the least loaded one; with no cached prefix
+anywhere, to the replica with the fewest live sequences, the earlier one on a tie. `step()` steps every replica that
 has work, one after another: each engine's step returns once its next step is dispatched
 (runtime/engine.py, lookahead), so every replica's device computes while the host serves the others.
 
@@ -137,11 +137,11 @@ class ReplicatedEngine:
         return request_id
 
     def _route(self, prompt_ids: Sequence[int], cache_salt: str | None) -> Engine:
-        loads = [e.num_live_requests() for e in self.replicas]
+        loads = [e.num_live_sequences() for e in self.replicas]  # (requests of n = 4 and 1 weigh apart)
         limit = min(loads) + self.config.max_num_seqs
         cached = [e.cached_prefix_tokens(prompt_ids, cache_salt) if load < limit else 0
                   for e, load in zip(self.replicas, loads)]
-        # the longest cached prefix; among equals (none cached included), the fewest live requests
+        # the longest cached prefix; among equals (none cached included), the fewest live sequences
         best = max(range(len(self.replicas)), key=lambda i: (cached[i], -loads[i], -i))
         return self.replicas[best]
 

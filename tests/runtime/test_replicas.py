@@ -90,6 +90,18 @@ def test_requests_spread_over_replicas_and_abort_where_they_run(engine2):
     assert engine2.stats().num_aborted >= 2
 
 
+def test_routing_weighs_requests_by_their_sequences(engine2):
+    """Requests of n = 4, 1, 4, 1 went 0, 1, 0, 1 (counted as requests): 8 sequences on one replica,
+    2 on the other. Counted by sequences they balance, 5 and 5."""
+    ids = [engine2.add_request(p, SamplingParams(max_tokens=2, n=n, seed=1))
+           for p, n in zip(_prompts(4, 7), (4, 1, 4, 1))]
+    assert [engine2.replicas.index(engine2._where[r]) for r in ids] == [0, 1, 1, 0]
+    assert [e.num_live_sequences() for e in engine2.replicas] == [5, 5]
+    while engine2.has_unfinished():
+        engine2.step()
+    check_idle(engine2)
+
+
 def test_an_id_reused_after_an_abort_gets_both_final_outputs(engine2):
     """As on one Engine: an aborted id is free at once, wherever the new request runs (the mapping
     stayed until the next step: 'already live'), and the old request's final output does not
