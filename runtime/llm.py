@@ -213,9 +213,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """generate() for a conversation (a list of {"role", "content"} messages) or a list of
         them, each rendered with the tokenizer's chat template (or `chat_template`, a template
-        text or the name of one of the model's templates) as Tokenizer.apply_chat_template does, with the same options (vLLM's LLM.chat).
-        `tools`: JSON schemas (dicts) or Python functions with type hints and a Google-style docstring
-        (runtime/tool_schema.py). Each output's `prompt` is the rendered text."""
+        text or the name of one of the model's templates) as Tokenizer.apply_chat_template does,
+        with the same options (vLLM's LLM.chat). `tools`: JSON schemas (dicts) or Python functions
+        with type hints and a Google-style docstring (runtime/tool_schema.py). Each output's
+        `prompt` is the rendered text."""
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so chat is not available; use generate() with token ids")

@@ -6,9 +6,10 @@ no copy). A request runs on one replica from start to end (its n samples too: th
 prompt's pages). A new request goes to the replica whose prefix cache holds the most of its prompt
 (multi-turn chats return to the replica that has their history), unless that replica has
 max_num_seqs more live sequences (n a request) than the least loaded one; with no cached prefix
-anywhere, to the replica with the fewest live sequences, the earlier one on a tie. `step()` steps every replica that
-has work, one after another: each engine's step returns once its next step is dispatched
-(runtime/engine.py, lookahead), so every replica's device computes while the host serves the others.
+anywhere, to the replica with the fewest live sequences, the earlier one on a tie. `step()` steps
+every replica that has work, one after another: each engine's step returns once its next step is
+dispatched (runtime/engine.py, lookahead), so every replica's device computes while the host serves
+the others.
 
 Why not one SPMD program with the batch split over `replica`: the Pallas kernels are custom calls
 that XLA's partitioner cannot split, the KV pool and page tables would need a replica axis the

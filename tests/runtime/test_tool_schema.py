@@ -195,8 +195,8 @@ def test_tool_lists():
             tool_schemas(bad)
 
 
-TOOLS_TEMPLATE = ("{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
-                  "\n{% endfor %}")
+TOOLS_TEMPLATE = ("{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                  "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
 
 
 def test_chat_template_gets_functions_as_schemas(tmp_path):
