@@ -66,7 +66,8 @@ class ReplicatedEngine:
         seeds = np.random.SeedSequence(config.seed).generate_state(len(views), np.uint32)
         self.replicas = [Engine(view, dataclasses.replace(config, seed=int(seed)), tokenizer=tokenizer,
                                 eos_token_ids=eos_token_ids) for view, seed in zip(views, seeds)]
-        self.config = self.replicas[0].config  # resolved (num_pages: each replica's)
+        # resolved (num_pages: each replica's), with the seed it was given (each replica draws from its own)
+        self.config = dataclasses.replace(self.replicas[0].config, seed=config.seed)
         self.tokenizer = self.replicas[0].tokenizer  # (sized to the model's vocabulary)
         self.eos_ids = self.replicas[0].eos_ids
         self._where: dict[str, Engine] = {}  # live request id -> its replica

@@ -37,8 +37,9 @@ def model2():
 
 @pytest.fixture(scope="module")
 def engine2(model2):
-    e = make_engine(model2, EngineConfig(**BASE, mesh=MeshConfig(replica=2)))
+    e = make_engine(model2, EngineConfig(**BASE, mesh=MeshConfig(replica=2), seed=7))
     assert isinstance(e, ReplicatedEngine) and e.num_replicas == 2
+    assert e.config.seed == 7 and len({r.config.seed for r in e.replicas} | {7}) == 3  # (the replicas' derived)
     yield e
     e.close()
 
