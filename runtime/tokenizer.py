@@ -513,10 +513,8 @@ def _transformers_decode(parts: _Parts, cfg: Mapping[str, Any]) -> _Parts:
     if parts.unk_id is not None:
         pieces[parts.unk_id] = parts.pieces[parts.unk_id].encode("utf-8")
         special.add(parts.unk_id)
-    if cfg.get("tokenizer_class") is None:
-        strip = StripMode.OUTPUT
-    elif cfg.get("tokenizer_class") in _LLAMA_TOKENIZER_CLASSES:
-        strip = StripMode.NONE if cfg.get("add_prefix_space") is False else StripMode.OUTPUT
+    if cfg.get("tokenizer_class") in (None, *_LLAMA_TOKENIZER_CLASSES):
+        strip = StripMode.NONE if _spm_prepend_scheme(cfg) == "never" else StripMode.OUTPUT
     return replace(parts, table=replace(table, pieces=tuple(pieces), special_ids=frozenset(special), strip=strip))
 
 
@@ -593,7 +591,7 @@ def _sentencepiece_parts_from_proto(proto: bytes, source: str, added: Mapping[in
     norm = model.normalizer_spec
     if not norm.add_dummy_prefix:
         prepend = "sentencepiece"  # (no dummy prefix to leave out)
-    strip_first = (norm.add_dummy_prefix or norm.remove_extra_whitespaces) and prepend != "never"
+    strip_first = norm.add_dummy_prefix or norm.remove_extra_whitespaces  # (a folder's: _transformers_decode)
     bare = None
     if prepend != "sentencepiece":  # the same model without its dummy prefix
         norm.add_dummy_prefix = False
