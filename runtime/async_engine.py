@@ -188,8 +188,8 @@ class AsyncEngine:
                 self._deliver(rid, err)
             if self._error is None:
                 # Nobody hears of those requests any more: they must not run on, nor hold their ids
-                # and pages, in an engine a new AsyncEngine may drive. (An engine that raised is left
-                # as it is, for its error to be looked into.)
+                # and pages, in an engine a new AsyncEngine may drive. (An engine whose step raised
+                # an Exception has dropped them itself: runtime/engine.py, Failures.)
                 try:
                     for rid in rids:
                         engine.abort(rid)

@@ -50,6 +50,14 @@ back at exit, so a collection inside the loop walks only the objects the loop ma
 request leaves no cyclic garbage (its group drops its sequences once its last output is out):
 its objects go by reference counting and do not bring the next collection forward.
 
+Failures: an exception that ends a step call is one of two kinds. An interrupt (KeyboardInterrupt,
+or any BaseException that is not an Exception) leaves the step where it was, planned or dispatched
+or in flight, and the next call carries it on (`_planned`, `_unapplied`, `_settle`). An Exception
+(a program that fails to compile or run, a device error, a bug) is re-raised after every live
+request is dropped and the scheduler starts afresh with an empty prefix cache (the failed step may
+have written part of the KV pool, or consumed it: a new pool is allocated then); the engine takes
+new requests at once. Carrying on would re-run the same plan and fail the same way for good.
+
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
 plan completes its prompt, sharing its prompt pages. Sample i uses sampling.sample_seed(seed, i).
@@ -241,10 +249,7 @@ class Engine:
                 decode_steps=config.decode_steps,
             )
         )
-        self.kv_pages = init_kv_pages(
-            cfg, config.num_pages, config.page_size, _kv_dtype(model, config), kv_repeat=model.kv_repeat,
-            sharding=kv_cache_sharding(cfg, model.mesh),
-        )
+        self.kv_pages = self._new_kv_pages()
         self.buckets = BucketTable(config.token_bucket_table, config.seq_bucket_table)
         self.packer = BatchPacker(
             pages_per_seq=config.max_pages_per_seq,
@@ -272,7 +277,7 @@ class Engine:
         self._unforked = 0  # live groups with samples still to fork (_Group.to_fork > 0)
         # plan, tokens, last tokens (the next step's prev), logprobs or None: futures (executor)
         self._inflight: tuple[StepPlan, object, object, object] | None = None
-        # A step between the scheduler and the device when an exception (Ctrl-C while waiting for
+        # A step between the scheduler and the device when an interrupt (Ctrl-C while waiting for
         # the device) ended the call: planned and not dispatched, or dispatched and not applied to
         # the scheduler. The next step() carries it on, so the engine stays usable (`_settle`).
         self._planned: tuple[StepPlan, dict] | None = None  # (the plan, its sequences' SeqSampling)
@@ -295,6 +300,11 @@ class Engine:
 
     def close(self) -> None:
         self._watcher.close()
+
+    def _new_kv_pages(self):
+        model, config = self.model, self.config
+        return init_kv_pages(model.config, config.num_pages, config.page_size, _kv_dtype(model, config),
+                             kv_repeat=model.kv_repeat, sharding=kv_cache_sharding(model.config, model.mesh))
 
     # -- requests in ----------------------------------------------------------------------------
     def add_request(
@@ -434,28 +444,51 @@ class Engine:
         one per request that progressed, shaped by its SamplingParams.output_kind. partial=False
         returns only the requests that finished (offline use)."""
         with self._watcher.watch():
-            if self._unapplied is not None:  # (an exception ended the call that dispatched it)
-                self._settle()
-            if self._planned is not None:  # planned by a call an exception ended before it dispatched
-                plan, sampling = self._planned
-                self._dispatch(plan, sampling.__getitem__)  # (its requests may have been aborted since)
-                self._planned = None
-            else:
-                plan = self.scheduler.step()
-                if not plan.is_empty:
-                    try:
-                        self._fork(plan)
-                        self._dispatch(plan, lambda sid: self._seqs[sid].sampling)
-                    except BaseException:
-                        if self._unapplied is None:  # (not dispatched: the next call does it)
-                            seqs = self._seqs
-                            self._planned = (plan, {s.request_id: seqs[s.request_id].sampling for s in plan.seqs
-                                                    if s.request_id in seqs})
-                        raise
-            self._settle()  # overlaps the step just dispatched
-            outputs = self._emit(partial)
+            try:
+                outputs = self._step(partial)
+            except Exception:
+                self._drop_all()
+                raise
             self._check_compiles()
         return outputs
+
+    def _step(self, partial: bool) -> list[RequestOutput]:
+        if self._unapplied is not None:  # (an interrupt ended the call that dispatched it)
+            self._settle()
+        if self._planned is not None:  # planned by a call an interrupt ended before it dispatched
+            plan, sampling = self._planned
+            self._dispatch(plan, sampling.__getitem__)  # (its requests may have been aborted since)
+            self._planned = None
+        else:
+            plan = self.scheduler.step()
+            if not plan.is_empty:
+                try:
+                    self._fork(plan)
+                    self._dispatch(plan, lambda sid: self._seqs[sid].sampling)
+                except BaseException:
+                    if self._unapplied is None:  # (not dispatched: the next call does it)
+                        seqs = self._seqs
+                        self._planned = (plan, {s.request_id: seqs[s.request_id].sampling for s in plan.seqs
+                                                if s.request_id in seqs})
+                    raise
+        self._settle()  # overlaps the step just dispatched
+        return self._emit(partial)
+
+    def _drop_all(self) -> None:
+        """After a step raised an Exception (module docstring, Failures): drop every live request
+        and whatever step was planned, dispatched or in flight; a KV pool the failed call consumed
+        (donated into a program that then failed) is made anew."""
+        self.scheduler.reset()
+        self._inflight = self._unapplied = self._planned = None
+        self._pending, self._ready = [], []
+        self._counts["aborted"] += len(self._groups)
+        self._groups.clear()
+        self._seqs.clear()
+        self._unforked = 0
+        if any(a.is_deleted() for a in jax.tree.leaves(self.kv_pages)):
+            seen = self._watcher.count
+            self.kv_pages = self._new_kv_pages()
+            self._compiles_seen += self._watcher.count - seen  # (allocating is no step program)
 
     def _dispatch(self, plan: StepPlan, sampling: Callable) -> None:
         """Pack `plan` (sampling(request_id): a sequence's SeqSampling) and run it on the device."""

@@ -32,6 +32,11 @@ class PrefixCache:
         self.num_hit_tokens = 0
         allocator.set_evict_callback(self._evicted)
 
+    @property
+    def key(self) -> bytes:
+        """The hash chain's secret seed."""
+        return self._key
+
     # -- hashing --------------------------------------------------------------------------------
     def root_hash(self, cache_salt: str | None) -> bytes:
         # surrogatepass: a lone surrogate (JSON allows "\ud800") is a salt like any other

@@ -153,8 +153,9 @@ class ReplicatedEngine:
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """One step of every replica that has work (Engine.step); their outputs together. An
-        exception from a replica's step (Ctrl-C while it waits for the device) keeps the outputs the
-        replicas before it gave for the next call, which carries on as Engine.step does."""
+        exception from a replica's step keeps the outputs the replicas before it gave for the next
+        call, which carries on as Engine.step does: after an interrupt (Ctrl-C while it waits for
+        the device) with the same requests; after an Exception without that replica's, which it dropped."""
         outputs, self._held = self._held, []
         try:
             for e in self.replicas:
@@ -166,6 +167,7 @@ class ReplicatedEngine:
                     outputs.extend(outs)
         except BaseException:
             self._held = outputs
+            self._where = {rid: e for rid, e in self._where.items() if e.is_live(rid)}
             raise
         return outputs
 

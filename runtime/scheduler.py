@@ -169,6 +169,19 @@ class _StepBuilder:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, prefix_cache_key: bytes | None = None) -> None:
         self.config = config
+        self._leases = itertools.count(1)  # Request.lease of each admission
+        self._next_arrival = 0
+        self._num_forks = 0
+        self._num_steps = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._num_preemptions = 0
+        self._num_bursts = 0
+        self._new_state(prefix_cache_key)
+
+    def _new_state(self, prefix_cache_key: bytes | None) -> None:
+        """No request, every page free, an empty prefix cache (the counters above are kept)."""
+        config = self.config
         self.allocator = PageAllocator(config.num_pages)
         self.prefix_cache = (
             PrefixCache(self.allocator, config.page_size, key=prefix_cache_key) if config.enable_prefix_caching else None
@@ -177,9 +190,6 @@ class Scheduler:
         self._waiting: list[Request] = []  # sorted by order_key
         self._running: list[Request] = []
         self._free_slots = list(range(config.max_num_seqs))
-        self._leases = itertools.count(1)  # Request.lease of each admission
-        self._next_arrival = 0
-        self._num_forks = 0
         self._inflight: Counter[bytes] = Counter()  # page hash -> running prefills computing it
         self._outstanding: StepPlan | None = None
         self._outstanding_reqs: list[Request] = []  # aligned with _outstanding.seqs
@@ -188,11 +198,17 @@ class Scheduler:
         # module docstring
         self._unresolved: tuple[int, list[tuple[int, Request, int, bool]]] | None = None
         self._finished_since_plan: list[str] = []
-        self._num_steps = 0
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._num_preemptions = 0
-        self._num_bursts = 0
+
+    def reset(self) -> list[str]:
+        """Drop every live request and forget every page's contents, whatever step is planned or
+        outstanding: after a step failed, the KV pool may hold partial writes or be gone. Returns
+        the ids dropped. The statistics and the prefix cache's key and counts carry on."""
+        dropped = list(self._requests)
+        old = self.prefix_cache
+        self._new_state(old.key if old is not None else None)
+        if old is not None:
+            self.prefix_cache.record(old.num_query_tokens, old.num_hit_tokens)
+        return dropped
 
     # -- requests in ----------------------------------------------------------------------------
     def add_request(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 
+import jax
 import numpy as np
 import pytest
 
@@ -247,6 +248,65 @@ def test_ctrl_c_inside_a_step_leaves_the_llm_usable(llm, monkeypatch, where):
     assert not engine.has_unfinished()
     engine.check_invariants()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+class _Poisoned:
+    """A step's tokens that the device failed to compute: reading them raises."""
+
+    def copy_to_host_async(self):
+        pass
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("injected: the device failed the step")
+
+
+class _FailingExecutor:
+    """The engine's StepExecutor, failing every step while `failing`: as a program that cannot run
+    after the KV pool was donated into it (the pool's buffers deleted), or as a step whose tokens
+    cannot be read (the error comes when the host waits for them)."""
+
+    def __init__(self, real, how):
+        self.real, self.how, self.failing, self.calls = real, how, True, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, params, kv_pages, batch, prev, prev_burst):
+        if not self.failing:
+            return self.real(params, kv_pages, batch, prev, prev_burst)
+        self.calls += 1
+        if self.how == "pool consumed" or isinstance(prev, _Poisoned):
+            for a in jax.tree.leaves(kv_pages):
+                a.delete()
+            raise RuntimeError("injected: the program failed after taking the KV pool")
+        tokens, last, logprobs, kv_pages = self.real(params, kv_pages, batch, prev, prev_burst)
+        return _Poisoned(), last, logprobs, kv_pages
+
+
+@pytest.mark.parametrize("how", ["pool consumed", "tokens unreadable"])
+def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, how):
+    """A step that raises an Exception (not an interrupt) drops the live requests and the prefix
+    cache, and remakes a KV pool the failed call consumed. The next step re-ran the same plan, which
+    failed again for good: the LLM's own clean-up raised, and every later call found the engine busy
+    ("unfinished requests") or its pool deleted."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    before = engine.stats()
+    failing = _FailingExecutor(engine.executor, how)
+    monkeypatch.setattr(engine, "executor", failing)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        llm.generate([f"{p} again" for p in PROMPTS], params)
+    assert info.value.__context__ is None  # (the clean-up raised nothing of its own)
+    assert not engine.has_unfinished() and engine.scheduler.allocator.num_cached == 0
+    engine.check_invariants()
+    failing.failing = False
+    assert not any(a.is_deleted() for a in jax.tree.leaves(engine.kv_pages))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    after = engine.stats()
+    assert after.num_aborted == before.num_aborted + len(PROMPTS)
+    assert after.prefix_cache_query_tokens > before.prefix_cache_query_tokens  # (the counts carry on)
+    engine.check_invariants()
 
 
 def test_generate_from_two_threads_at_once_refuses_the_second(llm, monkeypatch):

@@ -156,6 +156,41 @@ def test_outputs_survive_an_exception_in_a_later_replicas_step(engine2):
     check_idle(engine2)
 
 
+def test_a_replica_whose_step_fails_drops_only_its_own_requests(engine2, monkeypatch):
+    """An Exception from replica 1's step (its program failed after taking its KV pool): replica 1
+    drops its requests (Engine, Failures) and the ReplicatedEngine their ids; replica 0's request
+    runs on to its tokens, and the engine takes new requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [run_one(engine2, p, params).outputs[0].token_ids for p in ([5, 6, 7], [8, 9, 10, 11])]
+    a = engine2.add_request([5, 6, 7], params)
+    b = engine2.add_request([8, 9, 10, 11], params)
+    r1 = engine2.replicas[1]
+    assert engine2._where[b] is r1
+    real = r1.executor
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, params, kv_pages, *rest):
+            for x in jax.tree.leaves(kv_pages):
+                x.delete()
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(r1, "executor", Failing())
+    with pytest.raises(RuntimeError, match="injected"):
+        engine2.step()
+    monkeypatch.undo()
+    assert not r1.is_live(b) and b not in engine2._where and engine2._where[a] is engine2.replicas[0]
+    engine2.check_invariants()
+    finals = {}
+    while engine2.has_unfinished():
+        finals.update((o.request_id, o.outputs[0].token_ids) for o in engine2.step() if o.finished)
+    assert finals == {a: want[0]}
+    assert run_one(engine2, [8, 9, 10, 11], params).outputs[0].token_ids == want[1]
+    check_idle(engine2)
+
+
 def test_unseeded_requests_draw_different_seeds_on_each_replica(engine2):
     """Each replica's generator is seeded apart: the first unseeded request of each one does not
     sample the same tokens (they would, with both generators seeded from EngineConfig.seed alone)."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from runtime.request import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
-from tests.testing.scheduler_sim import EOS, Harness, rand_prompt, reference_generate
+from tests.testing.scheduler_sim import EOS, FakeDevice, Harness, rand_prompt, reference_generate
 
 
 # -- admission ----------------------------------------------------------------------------------
@@ -23,6 +23,8 @@ from tests.testing.scheduler_sim import EOS, Harness, rand_prompt, reference_gen
     ((3, 0, 7), True),  # any sequence
     ([np.int32(3), np.int64(0), 7], True),  # numpy ints, as tokenizers return them
     ([3, -1, 7], False),
+    ([2**31], False),  # (raised from the prefix cache's hash at every step when >= 2**63)
+    ([np.uint64(2**63)], False),
     ([-1], False),
     ([3, True, 7], False),  # bools are not token ids, mixed in or not
     ([True], False),
@@ -33,7 +35,7 @@ from tests.testing.scheduler_sim import EOS, Harness, rand_prompt, reference_gen
 def test_prompt_ids_are_validated(ids, ok):
     s = Scheduler(SchedulerConfig(num_pages=10, page_size=16, max_model_len=64))
     if not ok:
-        with pytest.raises(ValueError, match="prompt token ids must be ints >= 0|0 tokens"):
+        with pytest.raises(ValueError, match="prompt token ids must be ints (>= 0|below 2..31)|0 tokens"):
             s.add_request("a", ids, SamplingParams(max_tokens=4))
         return
     req = s.add_request("a", ids, SamplingParams(max_tokens=4))
@@ -265,6 +267,36 @@ def test_abort_between_step_and_update_and_while_waiting():
     assert h.sched.abort("a") and h.sched.abort("b")
     assert h.sched.update_from_output(plan, tokens) == []
     h.sched.check_invariants()
+    h.check_drained()
+
+
+def test_reset_drops_everything_whatever_step_is_outstanding():
+    """After a failed step (Engine, module docstring: Failures): no request, no page held or cached,
+    the statistics kept; the same ids run again as new requests, exactly."""
+    h = Harness(num_pages=64, page_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    shared = rand_prompt(random.Random(1), 8)
+    for i in range(3):
+        h.add(f"r{i}", shared + rand_prompt(random.Random(i), 5))
+    h.run()  # pages cached
+    for i in range(3):
+        h.add(f"r{i}", shared + rand_prompt(random.Random(10 + i), 5))
+    h.step()
+    plan = h.sched.step()  # planned and applied without its tokens (lookahead), never resolved
+    h.sched.update_from_output(plan, None)
+    before = h.sched.stats()
+    assert h.sched.allocator.num_referenced > 0 and before.prefix_cache_hit_tokens > 0
+    assert sorted(h.sched.reset()) == ["r0", "r1", "r2"]
+    h.sched.check_invariants()
+    a, after = h.sched.allocator, h.sched.stats()
+    assert a.num_free == a.num_pages and not h.sched.has_unfinished()
+    assert (after.prefill_tokens, after.num_steps, after.prefix_cache_hit_tokens) == (
+        before.prefill_tokens, before.num_steps, before.prefix_cache_hit_tokens)
+    h.dev = FakeDevice(h.sched)
+    for i in range(3):
+        h.add(f"r{i}", shared + rand_prompt(random.Random(20 + i), 5))
+    h.run()
+    h.check_all_exact()
+    assert h.sched.stats().prefix_cache_hit_tokens > before.prefix_cache_hit_tokens  # computed once more, then shared
     h.check_drained()
 
 
