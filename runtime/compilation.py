@@ -228,9 +228,9 @@ class StepExecutor:
         self.slots = table.seq_buckets[-1]
         # The page tables, a row per scheduler slot (< max_num_seqs <= slots), kept on the device;
         # per row the lease and page count it holds (what the host knows of it: sync_pages).
-        self.page_table = jax.device_put(np.zeros((self.slots, probe.layout.P), np.int32), rep)
-        self._row_lease = [0] * self.slots
-        self._row_pages = [0] * self.slots
+        self._page_table_shape = (self.slots, probe.layout.P)
+        self.page_table = None
+        self.drop_pages()
         # this executor's own function object: a jit of the module's function kept its programs (one
         # set per page table shape) for the life of the process
         self._set_pages = jax.jit(functools.partial(_set_pages), donate_argnums=(0,), out_shardings=rep)
@@ -452,6 +452,14 @@ class StepExecutor:
         flat, rows = jax.device_put((batch.flat, batch.rows), self._batch_sharding)
         leaves, prev, table = self._param_leaves, self._no_prev, self.page_table
         return lambda kv_pages: model(leaves, kv_pages, flat, rows, prev, table)
+
+    def drop_pages(self) -> None:
+        """Forget what every page table row holds (leases start at 1: the next sync ships a row's
+        whole list), and make the table anew if a failed update consumed it (it is donated)."""
+        if self.page_table is None or self.page_table.is_deleted():
+            self.page_table = jax.device_put(np.zeros(self._page_table_shape, np.int32), self._batch_sharding)
+        self._row_lease = [0] * self.slots
+        self._row_pages = [0] * self.slots
 
     def sync_pages(self, batch: PackedBatch) -> None:
         """Bring the device's page table up to `batch.pages`: per row, the pages past those it holds

@@ -476,8 +476,8 @@ class Engine:
 
     def _drop_all(self) -> None:
         """After a step raised an Exception (module docstring, Failures): drop every live request
-        and whatever step was planned, dispatched or in flight; a KV pool the failed call consumed
-        (donated into a program that then failed) is made anew."""
+        and whatever step was planned, dispatched or in flight; a KV pool or page table the failed
+        call consumed (donated into a program that then failed) is made anew."""
         self.scheduler.reset()
         self._inflight = self._unapplied = self._planned = None
         self._pending, self._ready = [], []
@@ -485,6 +485,7 @@ class Engine:
         self._groups.clear()
         self._seqs.clear()
         self._unforked = 0
+        self.executor.drop_pages()
         if any(a.is_deleted() for a in jax.tree.leaves(self.kv_pages)):
             seen = self._watcher.count
             self.kv_pages = self._new_kv_pages()

@@ -262,8 +262,8 @@ class _Poisoned:
 
 class _FailingExecutor:
     """The engine's StepExecutor, failing every step while `failing`: as a program that cannot run
-    after the KV pool was donated into it (the pool's buffers deleted), or as a step whose tokens
-    cannot be read (the error comes when the host waits for them)."""
+    after the KV pool (or the page table) was donated into it, its buffers deleted, or as a step
+    whose tokens cannot be read (the error comes when the host waits for them)."""
 
     def __init__(self, real, how):
         self.real, self.how, self.failing, self.calls = real, how, True, 0
@@ -275,6 +275,9 @@ class _FailingExecutor:
         if not self.failing:
             return self.real(params, kv_pages, batch, prev, prev_burst)
         self.calls += 1
+        if self.how == "page table consumed":
+            self.real.page_table.delete()
+            raise RuntimeError("injected: the page table update failed after taking the table")
         if self.how == "pool consumed" or isinstance(prev, _Poisoned):
             for a in jax.tree.leaves(kv_pages):
                 a.delete()
@@ -283,10 +286,10 @@ class _FailingExecutor:
         return _Poisoned(), last, logprobs, kv_pages
 
 
-@pytest.mark.parametrize("how", ["pool consumed", "tokens unreadable"])
+@pytest.mark.parametrize("how", ["pool consumed", "page table consumed", "tokens unreadable"])
 def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, how):
     """A step that raises an Exception (not an interrupt) drops the live requests and the prefix
-    cache, and remakes a KV pool the failed call consumed. The next step re-ran the same plan, which
+    cache, and remakes a KV pool or page table the failed call consumed. The next step re-ran the same plan, which
     failed again for good: the LLM's own clean-up raised, and every later call found the engine busy
     ("unfinished requests") or its pool deleted."""
     engine = llm.engine
