@@ -186,17 +186,17 @@ class AsyncEngine:
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, err)
-            if self._error is None:
-                # Nobody hears of those requests any more: they must not run on, nor hold their ids
-                # and pages, in an engine a new AsyncEngine may drive. (An engine whose step raised
-                # an Exception has dropped them itself: runtime/engine.py, Failures.)
-                try:
-                    for rid in rids:
-                        engine.abort(rid)
-                    while engine.has_unfinished():  # the step in flight, and the aborts' last outputs
-                        engine.step()
-                except Exception:  # noqa: BLE001 - the streams have their error; this is the log's
-                    logger.exception("could not end the requests left at shutdown")
+            # Nobody hears of those requests any more: they must not run on, nor hold their ids and
+            # pages, in an engine a new AsyncEngine may drive. (An Engine whose step raised has
+            # dropped them itself, runtime/engine.py, Failures; the other replicas of a
+            # ReplicatedEngine have not, nor has an Engine interrupted while it waited.)
+            try:
+                for rid in rids:
+                    engine.abort(rid)
+                while engine.has_unfinished():  # the step in flight, and the aborts' last outputs
+                    engine.step()
+            except Exception:  # noqa: BLE001 - the streams have their error; this is the log's
+                logger.exception("could not end the requests left when the loop stopped")
 
     def _drain(self) -> None:
         while True:

@@ -51,12 +51,17 @@ request leaves no cyclic garbage (its group drops its sequences once its last ou
 its objects go by reference counting and do not bring the next collection forward.
 
 Failures: an exception that ends a step call is one of two kinds. An interrupt (KeyboardInterrupt,
-or any BaseException that is not an Exception) leaves the step where it was, planned or dispatched
-or in flight, and the next call carries it on (`_planned`, `_unapplied`, `_settle`). An Exception
-(a program that fails to compile or run, a device error, a bug) is re-raised after every live
-request is dropped and the scheduler starts afresh with an empty prefix cache (the failed step may
-have written part of the KV pool, or consumed it: a new pool is allocated then); the engine takes
-new requests at once. Carrying on would re-run the same plan and fail the same way for good.
+or any BaseException that is not an Exception) that lands where a step spends its waits, while
+packing and dispatching the next step or while waiting for the previous one's tokens, leaves the
+step where it was, planned or dispatched or in flight, and the next call carries it on
+(`_planned`, `_unapplied`, `_settle`). Anything else is re-raised after every live request is
+dropped and the scheduler starts afresh with an empty prefix cache (the failed step may have
+written part of the KV pool, or consumed it: a new pool is allocated then), and the engine takes
+new requests at once: an Exception (a program that fails to compile or run, a device error, a
+bug), where carrying on would re-run the same plan and fail the same way for good, and an
+interrupt inside the host's bookkeeping (the scheduler, resolving tokens, building outputs), which
+it may have left half done. CompileAfterWarmupError (strict_compile) comes after a step that ran:
+its outputs come out of the next call.
 
 Requests: one user request with n samples is n scheduler requests with internal ids (so user ids
 cannot collide with them); the first is added at once, the other n-1 are forked from it when a
@@ -284,6 +289,8 @@ class Engine:
         self._unapplied: tuple[StepPlan, object, object, object] | None = None
         self._pending: list[tuple] = []  # (seq, token, logprob row, finish reason, stop reason)
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
+        self._resumable = False  # whether an interrupt now leaves a step the next call can carry on
+        self._undelivered: list[RequestOutput] = []  # a step's outputs CompileAfterWarmupError held back
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
         if config.warmup:
             self.warmup()
@@ -437,19 +444,27 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return (bool(self._groups) or self._inflight is not None or self._unapplied is not None
-                or self._planned is not None or bool(self._pending) or bool(self._ready))
+                or self._planned is not None or bool(self._pending) or bool(self._ready) or bool(self._undelivered))
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """Run one engine iteration (see the module docstring); returns the outputs it produced:
         one per request that progressed, shaped by its SamplingParams.output_kind. partial=False
         returns only the requests that finished (offline use)."""
         with self._watcher.watch():
+            self._resumable = False
             try:
                 outputs = self._step(partial)
-            except Exception:
-                self._drop_all()
+            except BaseException as e:
+                if isinstance(e, Exception) or not self._resumable or self._pool_consumed():
+                    self._drop_all()
                 raise
-            self._check_compiles()
+            if self._undelivered:
+                outputs, self._undelivered = self._undelivered + outputs, []
+            try:
+                self._check_compiles()
+            except CompileAfterWarmupError:
+                self._undelivered = outputs  # (the next call returns them)
+                raise
         return outputs
 
     def _step(self, partial: bool) -> list[RequestOutput]:
@@ -458,7 +473,6 @@ class Engine:
         if self._planned is not None:  # planned by a call an interrupt ended before it dispatched
             plan, sampling = self._planned
             self._dispatch(plan, sampling.__getitem__)  # (its requests may have been aborted since)
-            self._planned = None
         else:
             plan = self.scheduler.step()
             if not plan.is_empty:
@@ -482,17 +496,22 @@ class Engine:
         self._inflight = self._unapplied = self._planned = None
         self._pending, self._ready = [], []
         self._counts["aborted"] += len(self._groups)
+        self._counts["finished"] += len(self._groups)  # (as an abort counts)
         self._groups.clear()
         self._seqs.clear()
         self._unforked = 0
         self.executor.drop_pages()
-        if any(a.is_deleted() for a in jax.tree.leaves(self.kv_pages)):
+        if self._pool_consumed():
             seen = self._watcher.count
             self.kv_pages = self._new_kv_pages()
             self._compiles_seen += self._watcher.count - seen  # (allocating is no step program)
 
+    def _pool_consumed(self) -> bool:  # (donated into a program call that did not return it)
+        return any(a.is_deleted() for a in jax.tree.leaves(self.kv_pages))
+
     def _dispatch(self, plan: StepPlan, sampling: Callable) -> None:
         """Pack `plan` (sampling(request_id): a sequence's SeqSampling) and run it on the device."""
+        self._resumable = True  # (an interrupt until it is dispatched: `_planned` carries it on, then `_unapplied`)
         batch = self.packer.pack(plan, sampling)
         prev, prev_burst = None, None
         if self._inflight is not None:
@@ -503,14 +522,16 @@ class Engine:
         # then waits for the step, not for a copy queued behind the next step's launch (H200, 1B
         # batch 1: the read took 228 instead of 455 us, 1.39 vs 1.54 ms per step)
         tokens.copy_to_host_async()
-        self._unapplied = (plan, tokens, last, logprobs)
+        self._unapplied, self._planned = (plan, tokens, last, logprobs), None
         self._counts["steps"] += 1
+        self._resumable = False
 
     def _settle(self) -> None:
         """Take in the previous step's tokens, then hand the step just dispatched to the scheduler
         (its tokens placeholders until the next call). An exception while waiting for the device
         leaves both where they were, for the next call to finish."""
         if self._inflight is not None:
+            self._resumable = True  # (an interrupt while it waits for the device: the next call waits again)
             self._finish_inflight()
         if self._unapplied is not None:
             self.scheduler.update_from_output(self._unapplied[0], None)
@@ -539,7 +560,8 @@ class Engine:
         if logprobs is not None:  # some row asked (the step ran the logprobs program, or a burst computed them)
             # each field [K, n, ...]: a burst's have the leading [K] axis, a single step's get one
             lp = [(np.asarray(a) if plan.num_steps > 1 else np.asarray(a)[None])[:, :n] for a in logprobs]
-        self._inflight = None  # (only now: an exception in the waits above leaves it for the next call)
+        self._inflight = None  # (only now: an interrupt in the waits above leaves it for the next call)
+        self._resumable = False
         if lp is not None:
             rows = {s.request_id: i for i, s in enumerate(plan.seqs)}
             taken: dict[str, int] = {}  # a request's updates come in step order: the j-th is model step j's

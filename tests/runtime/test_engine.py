@@ -452,6 +452,35 @@ def test_max_logprobs_past_the_vocabulary_is_refused(model):
         make_engine(model, max_logprobs=513, warmup=False)
 
 
+def test_a_step_that_compiled_after_warmup_keeps_its_outputs_for_the_next_call(engine, monkeypatch):
+    """strict_compile raises CompileAfterWarmupError after the step ran: its outputs were lost (a
+    request's final output among them, so its caller never saw it end). The next call returns them."""
+    from runtime.compilation import CompileAfterWarmupError
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = run_one(engine, [5, 6, 7], params).outputs[0].token_ids
+    emit = engine._emit
+
+    def compiling_emit(partial):
+        outs = emit(partial)
+        if any(o.finished for o in outs):
+            engine._watcher.count += 1  # as if a program compiled during this call
+        return outs
+
+    monkeypatch.setattr(engine, "_emit", compiling_emit)
+    rid = engine.add_request([5, 6, 7], params)
+    finals, raised = [], 0
+    while engine.has_unfinished():
+        try:
+            finals += [o for o in engine.step() if o.finished]
+        except CompileAfterWarmupError:
+            raised += 1
+    monkeypatch.undo()
+    assert raised == 1 and [(o.request_id, o.outputs[0].token_ids) for o in finals] == [(rid, want)]
+    engine.executor.num_compiles_after_warmup -= 1  # (the simulated one)
+    check_idle(engine)
+
+
 def test_rejects_requests_that_can_never_run(engine):
     with pytest.raises(ValueError, match=r"250 tokens \+ max_tokens 10 = 260 tokens; max_model_len is 256"):
         engine.add_request([5] * 250, SamplingParams(max_tokens=10))

@@ -312,6 +312,74 @@ def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, ho
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("where", ["scheduler.step", "scheduler.resolve", "scheduler.update_from_output",
+                                   "Engine._emit"])
+def test_ctrl_c_inside_the_hosts_bookkeeping_drops_the_engines_requests(llm, monkeypatch, where):
+    """Ctrl-C just after the scheduler planned, resolved or applied a step, or while outputs were
+    built: that work is half done and cannot be carried on. The engine dropped a plan it had not
+    seen (the next call raised "step N is outstanding", or "plan N is not the outstanding plan"),
+    lost tokens taken off its list (outputs a token short; a request left live with no sequence,
+    so LLM's clean-up stepped for ever) and LLM's clean-up raised an error of its own in place of
+    the interrupt. Now it drops its requests, as after a failed step, and the interrupt comes out."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    owner, name = where.split(".")
+    target = engine.scheduler if owner == "scheduler" else engine
+    real, calls = getattr(target, name), []
+
+    def interrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        llm.generate(PROMPTS, params)
+    assert info.value.__context__ is None
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("where", ["scheduler.resolve", "Engine._emit"])
+def test_an_engine_stepped_on_after_ctrl_c_never_gives_a_short_output(llm, monkeypatch, where):
+    """Stepping an Engine on after Ctrl-C landed just after it resolved a step's tokens (or while it
+    built outputs) gave outputs a token short, with no error. Now those requests are dropped."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)}
+    owner, name = where.split(".")
+    target = engine.scheduler if owner == "scheduler" else engine
+    real, calls = getattr(target, name), []
+
+    def interrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(target, name, interrupted)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    finals, interrupts = [], 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        try:
+            finals += [o for o in engine.step() if o.finished]
+        except KeyboardInterrupt:
+            interrupts += 1
+            assert not any(engine.is_live(r) for r in ids)
+    monkeypatch.undo()
+    assert interrupts == 1 and not engine.has_unfinished()
+    assert all(o.outputs[0].token_ids == want[tuple(o.prompt_token_ids)] for o in finals)
+    engine.check_invariants()
+
+
 def test_generate_from_two_threads_at_once_refuses_the_second(llm, monkeypatch):
     """The busy check and the stepping were not atomic: two threads could both pass it and step the
     engine together (internal errors, an engine left busy)."""

@@ -191,6 +191,49 @@ def test_a_replica_whose_step_fails_drops_only_its_own_requests(engine2, monkeyp
     check_idle(engine2)
 
 
+def test_an_async_loop_that_dies_leaves_no_request_on_the_other_replicas(engine2, monkeypatch):
+    """The loop's clean-up skipped the aborts after an error, as if the engine had dropped every
+    request: replica 0's stayed live and mapped, and a new AsyncEngine's request of the same id
+    was refused ("already live")."""
+    from runtime.async_engine import EngineDeadError
+
+    real = engine2.replicas[1].executor
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args):
+            raise RuntimeError("injected")
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def run(ids):
+        ae = AsyncEngine(engine2)
+        try:
+            streams = [ae.submit(GenerationRequest(prompt_token_ids=[5 + i, 6], sampling_params=params, request_id=r))
+                       for i, r in enumerate(ids)]
+            results = []
+            for st in streams:
+                try:
+                    async for last in st:
+                        pass
+                    results.append(last.outputs[0].finish_reason)
+                except EngineDeadError:
+                    results.append("dead")
+            return results
+        finally:
+            ae.shutdown()
+
+    monkeypatch.setattr(engine2.replicas[1], "executor", Failing())
+    assert asyncio.run(run(["x0", "x1"])) == ["dead", "dead"]
+    monkeypatch.undo()
+    assert not engine2.has_unfinished() and not engine2._where
+    engine2.check_invariants()
+    assert asyncio.run(run(["x0", "x1"])) == ["length", "length"]
+    check_idle(engine2)
+
+
 def test_unseeded_requests_draw_different_seeds_on_each_replica(engine2):
     """Each replica's generator is seeded apart: the first unseeded request of each one does not
     sample the same tokens (they would, with both generators seeded from EngineConfig.seed alone)."""
