@@ -70,6 +70,7 @@ class GenerationSpec:
     timeout_s: float | None = None  # the client's deadline, from now
     arrival: float = field(default_factory=time.monotonic)
     logprobs_param: str = "logprobs"  # what the client's API calls params.logprobs (OpenAI chat: top_logprobs)
+    max_tokens_param: str = "max_tokens"  # and params.max_tokens (OpenAI chat: max_completion_tokens too)
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,8 @@ class ServingCore:
             raise InvalidRequest("prompt has 0 tokens; at least 1 is needed", param="prompt")
         return ids
 
-    def check_limits(self, num_prompt_tokens: int, params: SamplingParams, logprobs_param: str = "logprobs") -> None:
+    def check_limits(self, num_prompt_tokens: int, params: SamplingParams, logprobs_param: str = "logprobs",
+                     max_tokens_param: str = "max_tokens") -> None:
         """The server's limits, each error naming the value and the limit (the engine checks the rest)."""
         info, cfg = self.model_info, self.config
         L = info.max_model_len
@@ -310,9 +312,9 @@ class ServingCore:
             raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is {L} (room is needed "
                                  f"for at least one generated token)", param="prompt", code="context_length_exceeded")
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > L:
-            raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens + max_tokens {params.max_tokens} = "
+            raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens + {max_tokens_param} {params.max_tokens} = "
                                  f"{num_prompt_tokens + params.max_tokens} tokens; max_model_len is {L}",
-                                 param="max_tokens", code="context_length_exceeded")
+                                 param=max_tokens_param, code="context_length_exceeded")
         if params.max_tokens is None and params.min_tokens > L - num_prompt_tokens:
             raise InvalidRequest(f"min_tokens {params.min_tokens} is more than the {L - num_prompt_tokens} tokens the "
                                  f"request can generate (max_model_len {L} - prompt {num_prompt_tokens})",
@@ -357,7 +359,7 @@ class ServingCore:
         if spec.request_id is not None:
             check_request_id(spec.request_id)
         ids = await asyncio.to_thread(self._prompt_ids, spec)
-        self.check_limits(len(ids), spec.params, spec.logprobs_param)
+        self.check_limits(len(ids), spec.params, spec.logprobs_param, spec.max_tokens_param)
         self._check_accepting()  # the state may have changed while tokenizing
         return ids, self.admission.admit(len(ids))
 

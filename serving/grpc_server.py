@@ -159,9 +159,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if first:
                     msg.prompt_token_ids.extend(stream.prompt_token_ids)
                     first = False
-                for co in out.outputs:
+                for co in out.outputs:  # (the last response names every sequence, with its finish reason)
                     newly_done = co.finish_reason is not None and co.index not in done
-                    if not (co.new_token_ids or co.new_text or newly_done):
+                    if not (co.new_token_ids or co.new_text or newly_done or out.finished):
                         continue
                     d = msg.outputs.add(index=co.index, text=co.new_text, finish_reason=_FINISH[co.finish_reason])
                     d.token_ids.extend(co.new_token_ids)
@@ -170,7 +170,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             tl = d.logprobs.add(token_id=t, logprob=row.get(t, 0.0))
                             for i, v in sorted(row.items(), key=lambda kv: -kv[1])[:k]:
                                 tl.top.add(token_id=i, logprob=v, token=self.text_of()(i))
-                    if newly_done:
+                    if newly_done or out.finished:
                         done.add(co.index)
                         if isinstance(co.stop_reason, int):
                             d.stop_token_id = co.stop_reason

@@ -231,7 +231,8 @@ class _Api:
         # engine ids stay unique when clients reuse theirs (a suffix), and name the client's in logs
         engine_id = rid if client is None else f"{rid}.{uuid.uuid4().hex[:12]}"
         common = dict(params=req.params, request_id=engine_id, priority=req.priority, cache_salt=req.cache_salt,
-                      logprobs_param="top_logprobs" if req.kind == "chat" else "logprobs")
+                      logprobs_param="top_logprobs" if req.kind == "chat" else "logprobs",
+                      max_tokens_param=req.max_tokens_param)
         if req.prompts is None:
             streams = [await self.core.submit(GenerationSpec(text=req.text, token_ids=req.token_ids,
                                                              messages=req.messages, chat=req.chat, **common))]

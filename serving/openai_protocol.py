@@ -35,6 +35,7 @@ class ParsedRequest:
     chat: ChatOptions = field(default_factory=ChatOptions)
     # completions with a batch of 2 or more prompts: each a string or token ids (text/token_ids unset)
     prompts: list[str | list[int]] | None = None
+    max_tokens_param: str = "max_tokens"  # the field that gave params.max_tokens (chat: max_completion_tokens too)
 
 
 # vLLM's structured-output request fields (guided decoding); none is supported
@@ -169,7 +170,8 @@ def check_model(body: dict, served: str) -> None:
 
 def _stream_opts(body, stream: bool) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats) of stream_options: a usage chunk before [DONE], and
-    vLLM's usage so far on every chunk, which needs include_usage (as in vLLM)."""
+    the usage so far on every chunk, with vLLM's defaults: include_usage true once stream_options is
+    given, continuous_usage_stats false and only with include_usage."""
     so = body.get("stream_options")
     if so is None:
         return False, False
@@ -177,11 +179,8 @@ def _stream_opts(body, stream: bool) -> tuple[bool, bool]:
         raise InvalidRequest(f"stream_options must be an object, got {so!r}", param="stream_options")
     if not stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    include, continuous = _boolean(so, "include_usage", False), _boolean(so, "continuous_usage_stats", False)
-    if continuous and not include:
-        raise InvalidRequest("stream_options.continuous_usage_stats needs include_usage to be true",
-                             param="stream_options")
-    return include, continuous
+    include = _boolean(so, "include_usage", True)
+    return include, include and _boolean(so, "continuous_usage_stats", False)
 
 
 def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[SamplingParams, int, str | None]:
@@ -232,6 +231,8 @@ def _common(body: dict, *, max_tokens, logprobs, seed_default=None) -> tuple[Sam
         raise InvalidRequest(str(e), param=name if name in body else None) from None
     priority = _integer(body, "priority", 0, lo=-(2**31), hi=2**31 - 1)
     cache_salt = _string(body, "cache_salt", None)
+    if cache_salt == "":  # (as vLLM: an empty salt would name a cache of its own by mistake)
+        raise InvalidRequest("cache_salt must be a non-empty string if given", param="cache_salt")
     return params, priority, cache_salt
 
 
@@ -277,6 +278,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     include_usage, continuous = _stream_opts(body, stream)
     messages = chat_messages(body)
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
+    max_tokens_param = "max_tokens" if max_tokens is None else "max_completion_tokens"
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, lo=1)
     want = _boolean(body, "logprobs", False)
@@ -285,7 +287,8 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
         raise InvalidRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
     params, priority, salt = _common(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
     return ParsedRequest("chat", params, stream, include_usage, continuous, messages=messages, priority=priority,
-                         cache_salt=salt, chat_logprobs=want, chat=parse_chat_options(body))
+                         cache_salt=salt, chat_logprobs=want, chat=parse_chat_options(body),
+                         max_tokens_param=max_tokens_param)
 
 
 def chat_messages(body: dict) -> list:

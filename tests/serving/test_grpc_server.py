@@ -29,7 +29,9 @@ def stub(channel):
 
 
 def collect(responses):
-    """(text per index, token ids per index, finish reason per index, last response)."""
+    """(text per index, token ids per index, finish reason per index, last response). The last
+    response names every sequence with its finish reason (the proto's promise), also one that
+    finished before: with nothing new, and the same reason."""
     text, ids, finish, last = {}, {}, {}, None
     for r in responses:
         last = r
@@ -37,8 +39,12 @@ def collect(responses):
             text[d.index] = text.get(d.index, "") + d.text
             ids.setdefault(d.index, []).extend(d.token_ids)
             if d.finish_reason:
-                assert d.index not in finish, "a sequence finished twice"
+                if d.index in finish:
+                    assert r.finished and not d.token_ids and not d.text, "a sequence finished twice"
+                    assert d.finish_reason == finish[d.index]
                 finish[d.index] = d.finish_reason
+    if last is not None and last.finished:
+        assert sorted(d.index for d in last.outputs if d.finish_reason) == sorted(ids)
     return text, ids, finish, last
 
 
@@ -73,6 +79,17 @@ def test_generate_chat_n2_logprobs_seed(stub):
                 assert lp.top[0].logprob >= lp.top[1].logprob
     assert last.usage.completion_tokens == 16
     assert collect(stub.Generate(req, timeout=30))[1] == ids  # seeded: the same samples again
+
+
+def test_the_last_response_names_every_sequences_finish(stub):
+    """Samples 1..n-1 start a step after sample 0 (forked once the prompt is computed), so sample 0
+    ended a response early and the last one named only the others: a client reading the last
+    response alone missed a finish reason the proto promises there."""
+    sp = pb.SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=5, ignore_eos=True)
+    responses = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=sp), timeout=30))
+    _, ids, finish, last = collect(responses)
+    assert finish == {i: pb.FINISH_REASON_LENGTH for i in range(3)} and all(len(v) == 4 for v in ids.values())
+    assert sorted(d.index for d in last.outputs) == [0, 1, 2] and last.usage.completion_tokens == 12
 
 
 def test_generate_logit_bias(stub):

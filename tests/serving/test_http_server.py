@@ -80,8 +80,9 @@ def test_continuous_usage_stats(client):
         text = [c for c in chunks if c.choices and (c.choices[0].delta.content if chat else c.choices[0].text)]
         assert [c.usage.completion_tokens for c in text] == list(range(1, 7))
         assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 6
-        with pytest.raises(openai.BadRequestError, match="continuous_usage_stats needs include_usage"):
-            create(model=MODEL_NAME, max_tokens=2, stream=True, **kw, stream_options={"continuous_usage_stats": True})
+        alone = list(create(model=MODEL_NAME, max_tokens=2, temperature=0, stream=True, **kw,
+                            stream_options={"continuous_usage_stats": True}))  # (include_usage true by default)
+        assert all(c.usage is not None for c in alone) and alone[-1].usage.completion_tokens == 2
 
 
 def test_stream_ends_with_done(server):
@@ -282,6 +283,9 @@ def test_errors(client, kw, exc, needle):
     (dict(temperature=1e300), "temperature", "within float32's range"),
     (dict(extra_body={"min_tokens": 5}), "min_tokens", "min_tokens (5) must be <= max_tokens (4)"),
     (dict(max_tokens=None, extra_body={"min_tokens": 300}), "min_tokens", "min_tokens 300 is more than the"),
+    # the field the client sent (it was named max_tokens, which this request does not hold)
+    (dict(max_tokens=None, max_completion_tokens=1000), "max_completion_tokens", "+ max_completion_tokens 1000 ="),
+    (dict(max_tokens=1000), "max_tokens", "+ max_tokens 1000 ="),
 ])
 def test_errors_name_their_parameter(client, kw, param, needle):
     """SamplingParams' own checks and the room left for min_tokens name the parameter, not the

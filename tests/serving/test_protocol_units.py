@@ -125,12 +125,27 @@ def test_integral_floats_are_integers_as_pydantic_reads_them():
 
 
 def test_stream_options():
-    assert completion(stream=True, stream_options={}).include_usage is False
-    r = completion(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    assert r.include_usage and r.continuous_usage
-    with pytest.raises(InvalidRequest, match="continuous_usage_stats needs include_usage") as e:
-        completion(stream=True, stream_options={"continuous_usage_stats": True})
+    """vLLM's defaults once stream_options is given: include_usage true, continuous_usage_stats false
+    and only with include_usage (a lone continuous_usage_stats was refused, "as in vLLM")."""
+    assert completion(stream=True).include_usage is False
+    r = completion(stream=True, stream_options={})
+    assert (r.include_usage, r.continuous_usage) == (True, False)
+    for so, want in [({"include_usage": True, "continuous_usage_stats": True}, (True, True)),
+                     ({"continuous_usage_stats": True}, (True, True)),
+                     ({"include_usage": False, "continuous_usage_stats": True}, (False, False))]:
+        r = completion(stream=True, stream_options=so)
+        assert (r.include_usage, r.continuous_usage) == want, so
+    with pytest.raises(InvalidRequest) as e:
+        completion(stream=False, stream_options={})
     assert e.value.param == "stream_options"
+
+
+def test_an_empty_cache_salt_is_refused():
+    """As vLLM: "" is not "no salt", and as a salt of its own it would split the cache by mistake."""
+    with pytest.raises(InvalidRequest, match="cache_salt must be a non-empty string") as e:
+        completion(cache_salt="")
+    assert e.value.param == "cache_salt"
+    assert completion(cache_salt="t1").cache_salt == "t1" and completion().cache_salt is None
 
 
 def test_chat_parsing():
@@ -139,6 +154,9 @@ def test_chat_parsing():
     r = parse_chat({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
                     "max_tokens": 9, "logprobs": True, "top_logprobs": 3}, M)
     assert r.params.max_tokens == 5 and r.params.logprobs == 3 and r.chat_logprobs
+    assert r.max_tokens_param == "max_completion_tokens"
+    r = parse_chat({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}, M)
+    assert r.params.max_tokens == 9 and r.max_tokens_param == "max_tokens"
     assert parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, M).params.logprobs == 0
     for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
                        ({"response_format": {"type": "json_object"}}, "response_format"), ({"messages": []}, "messages"),
