@@ -17,7 +17,10 @@ effect before the next step is planned: its pages are free within one step) and 
 Event when there is no work (no polling). Outputs go back with `loop.call_soon_threadsafe` into
 one asyncio.Queue per request. Validation and tokenization run in the caller's thread (submit
 raises at once on a request that can never run); they read only immutable engine state.
-If the loop thread dies, every open stream raises EngineDeadError and health() reports it.
+A step that raises (runtime/engine.py, Failures: the engine drops the requests it held) ends their
+streams with EngineStepError, and the loop serves on. If the next step raises too, the engine is
+taken to be broken and the loop dies: every open stream raises EngineDeadError, submit() refuses
+with it, and health() reports it. So does any other error of the loop.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped with an error; no request can proceed."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed with this request in it: the engine dropped the request and serves on."""
 
 
 @dataclass
@@ -162,6 +169,7 @@ class AsyncEngine:
     # -- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        failed = False  # the last step raised
         try:
             # The objects alive when serving starts stay out of the collector's way; the garbage
             # among them is collected first, or it would stay until shutdown.
@@ -172,7 +180,20 @@ class AsyncEngine:
                         self._wake.wait()
                         self._wake.clear()
                         continue
-                    outputs = engine.step()
+                    try:
+                        outputs = engine.step()
+                    except Exception as e:
+                        if failed:  # twice in a row: the engine cannot run (the loop dies)
+                            raise
+                        failed = True
+                        logger.exception("an engine step failed; the requests in it end with its error")
+                        for rid in engine.take_dropped():
+                            err = EngineStepError(f"an engine step failed with this request in it: {e!r}")
+                            err.__cause__ = e
+                            self._deliver(rid, err)
+                        self._stats = engine.stats()
+                        continue
+                    failed = False
                     self._stats = engine.stats()  # before delivery: a consumer sees stats at least this fresh
                     for out in outputs:
                         self._deliver(out.request_id, out)

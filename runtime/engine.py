@@ -291,6 +291,7 @@ class Engine:
         self._ready: list[_Group] = []  # groups with an output to emit that no token update carries
         self._resumable = False  # whether an interrupt now leaves a step the next call can carry on
         self._undelivered: list[RequestOutput] = []  # a step's outputs CompileAfterWarmupError held back
+        self._dropped: list[str] = []  # the ids of the requests the last failed step dropped (take_dropped)
         self._counts = dict(requests=0, finished=0, aborted=0, prompt_tokens=0, generated=0, steps=0)
         if config.warmup:
             self.warmup()
@@ -495,6 +496,7 @@ class Engine:
         self.scheduler.reset()
         self._inflight = self._unapplied = self._planned = None
         self._pending, self._ready = [], []
+        self._dropped = list(self._groups)
         self._counts["aborted"] += len(self._groups)
         self._counts["finished"] += len(self._groups)  # (as an abort counts)
         self._groups.clear()
@@ -505,6 +507,12 @@ class Engine:
             seen = self._watcher.count
             self.kv_pages = self._new_kv_pages()
             self._compiles_seen += self._watcher.count - seen  # (allocating is no step program)
+
+    def take_dropped(self) -> list[str]:
+        """The ids of the requests the last failed step dropped (module docstring, Failures), once:
+        for a caller that streams outputs to tell their owners, which get no output of their end."""
+        ids, self._dropped = self._dropped, []
+        return ids
 
     def _pool_consumed(self) -> bool:  # (donated into a program call that did not return it)
         return any(a.is_deleted() for a in jax.tree.leaves(self.kv_pages))

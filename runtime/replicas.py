@@ -171,6 +171,10 @@ class ReplicatedEngine:
             raise
         return outputs
 
+    def take_dropped(self) -> list[str]:
+        """Engine.take_dropped over the replicas."""
+        return [rid for e in self.replicas for rid in e.take_dropped()]
+
     # -- stats and checks -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """The replicas' statistics summed; kv_usage is the share of all their pages in use."""

@@ -22,7 +22,7 @@ from runtime.chat_template import content_format
 from runtime.request import FINISH_ABORT, FINISH_LENGTH, OUTPUT_DELTA, SamplingParams
 from serving.admission import AdmissionQueue, Ticket
 from serving.config import ServerConfig
-from serving.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
+from serving.errors import DeadlineExceeded, InternalError, InvalidRequest, ServingError, Unavailable
 from serving.metrics import ServingMetrics
 
 if TYPE_CHECKING:  # (the engine's modules import JAX; the core loads them only to build an engine)
@@ -493,7 +493,12 @@ class RequestStream:
             self._complete = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
+            from runtime.async_engine import EngineStepError
+
             self._complete = True
+            if isinstance(item, EngineStepError):  # (the engine serves on)
+                self._count_failure("error")
+                raise InternalError(str(item), code="step_failed")
             self._count_failure("unavailable")
             raise Unavailable(f"the engine stopped: {item}", code="engine_dead")
         return item

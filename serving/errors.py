@@ -11,7 +11,8 @@ status (the official client picks its exception class from the status alone):
     429 rate_limit_error       RESOURCE_EXHAUSTED   waiting queue full (with Retry-After)
     503 service_unavailable    UNAVAILABLE          warming up, draining, engine not progressing
     504 timeout_error          DEADLINE_EXCEEDED    the client's deadline passed
-    500 server_error           INTERNAL             a bug; the engine loop keeps running
+    500 server_error           INTERNAL             a bug, or an engine step that failed with the request
+                                                    in it (code step_failed); the engine loop keeps running
 """
 
 from __future__ import annotations

@@ -191,46 +191,59 @@ def test_a_replica_whose_step_fails_drops_only_its_own_requests(engine2, monkeyp
     check_idle(engine2)
 
 
-def test_an_async_loop_that_dies_leaves_no_request_on_the_other_replicas(engine2, monkeypatch):
-    """The loop's clean-up skipped the aborts after an error, as if the engine had dropped every
-    request: replica 0's stayed live and mapped, and a new AsyncEngine's request of the same id
-    was refused ("already live")."""
-    from runtime.async_engine import EngineDeadError
+def test_the_async_engine_over_replicas_after_a_failed_step_and_after_its_loop_died(engine2, monkeypatch):
+    """A step that fails on replica 1 ends replica 1's streams only (EngineStepError); replica 0's
+    request runs on. A loop that dies (here: an interrupt that is no Exception) aborts the requests
+    every replica holds: its clean-up skipped the aborts after an error, as if the engine had
+    dropped every request, so replica 0's stayed live and mapped, and a new AsyncEngine's request of
+    the same id was refused ("already live")."""
+    from runtime.async_engine import EngineDeadError, EngineStepError
 
-    real = engine2.replicas[1].executor
+    real, calls = engine2.replicas[1].executor, []
 
-    class Failing:
+    class FailsOnce:
+        def __init__(self, error):
+            self.error = error
+
         def __getattr__(self, name):
             return getattr(real, name)
 
         def __call__(self, *args):
-            raise RuntimeError("injected")
+            calls.append(1)
+            if len(calls) == 1:
+                raise self.error
+            return real(*args)
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def run(ids):
-        ae = AsyncEngine(engine2)
-        try:
+        ae = AsyncEngine(engine2, start=False)
+        try:  # (both queued before the loop starts: one on each replica)
             streams = [ae.submit(GenerationRequest(prompt_token_ids=[5 + i, 6], sampling_params=params, request_id=r))
                        for i, r in enumerate(ids)]
+            ae._thread.start()
             results = []
             for st in streams:
                 try:
                     async for last in st:
                         pass
                     results.append(last.outputs[0].finish_reason)
-                except EngineDeadError:
-                    results.append("dead")
+                except (EngineDeadError, EngineStepError) as e:
+                    results.append(type(e).__name__)
             return results
         finally:
             ae.shutdown()
 
-    monkeypatch.setattr(engine2.replicas[1], "executor", Failing())
-    assert asyncio.run(run(["x0", "x1"])) == ["dead", "dead"]
-    monkeypatch.undo()
-    assert not engine2.has_unfinished() and not engine2._where
-    engine2.check_invariants()
-    assert asyncio.run(run(["x0", "x1"])) == ["length", "length"]
+    want = ["length", "length"]
+    for error, results in ((RuntimeError("injected"), ["length", "EngineStepError"]),
+                           (KeyboardInterrupt(), ["EngineDeadError", "EngineDeadError"])):
+        calls.clear()
+        monkeypatch.setattr(engine2.replicas[1], "executor", FailsOnce(error))
+        assert asyncio.run(run(["x0", "x1"])) == results
+        monkeypatch.undo()
+        assert not engine2.has_unfinished() and not engine2._where
+        engine2.check_invariants()
+        assert asyncio.run(run(["x0", "x1"])) == want
     check_idle(engine2)
 
 

@@ -133,3 +133,38 @@ def test_health_fails_while_the_engine_makes_no_step(engine, monkeypatch):
     finally:
         gate.set()
         s.stop()
+
+
+def test_a_failed_step_is_a_500_and_the_server_serves_on(engine, monkeypatch):
+    """A step that raised took the engine loop down, and the server with it (every later request
+    a 503). Now the requests in that step get a 500 (code step_failed), counted as failures of
+    reason "error", and the next request runs."""
+    real, calls = engine.executor, []
+
+    class FailOnce:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+            return real(*args)
+
+    s = LiveServer(engine).start()
+    try:
+        monkeypatch.setattr(engine, "executor", FailOnce())
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
+        r = httpx.post(s.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "step_failed"
+        assert "injected" in r.json()["error"]["message"]
+        r = httpx.post(s.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(s.http_url + "/health").status_code == 200
+        metrics = httpx.get(s.http_url + "/metrics").text
+        assert f'xlaserve:request_failure_total{{model_name="{MODEL_NAME}",reason="error"}} 1.0' in metrics
+    finally:
+        s.stop()
+        monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()

@@ -1,0 +1,208 @@
+"""Failures inside a step (runtime/engine.py, module docstring, Failures): a step that raises drops
+the engine's requests and leaves it usable; an interrupt is carried on only where it lands in a
+wait; the async engine ends the dropped requests' streams and serves on, and dies when the next
+step fails too. On the real stories260K with its tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import pytest
+
+from runtime.async_engine import AsyncEngine, EngineDeadError, EngineStepError, GenerationRequest
+from runtime.llm import LLM, SamplingParams
+from tests.testing.data import shared_data_dir
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    path = shared_data_dir() / "stories260k" / "stories260K.bin"
+    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,),
+              seq_buckets=(8,), max_model_len=256, strict_compile=True, progress=False)
+    yield llm
+    llm.engine.check_invariants()
+    llm.engine.close()
+
+
+class _Poisoned:
+    """A step's tokens that the device failed to compute: reading them raises."""
+
+    def copy_to_host_async(self):
+        pass
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("injected: the device failed the step")
+
+
+class _FailingExecutor:
+    """The engine's StepExecutor, failing every step while `failing` (or only the first `times`):
+    as a program that cannot run after the KV pool (or the page table) was donated into it, its
+    buffers deleted, or as a step whose tokens cannot be read (the error comes when the host
+    waits for them)."""
+
+    def __init__(self, real, how, times=None):
+        self.real, self.how, self.failing, self.calls, self.times = real, how, True, 0, times
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, params, kv_pages, batch, prev, prev_burst):
+        if not self.failing or self.calls == self.times:  # (times: only the first so many steps fail)
+            return self.real(params, kv_pages, batch, prev, prev_burst)
+        self.calls += 1
+        if self.how == "page table consumed":
+            self.real.page_table.delete()
+            raise RuntimeError("injected: the page table update failed after taking the table")
+        if self.how == "pool consumed" or isinstance(prev, _Poisoned):
+            for a in jax.tree.leaves(kv_pages):
+                a.delete()
+            raise RuntimeError("injected: the program failed after taking the KV pool")
+        tokens, last, logprobs, kv_pages = self.real(params, kv_pages, batch, prev, prev_burst)
+        return _Poisoned(), last, logprobs, kv_pages
+
+
+@pytest.mark.parametrize("how", ["pool consumed", "page table consumed", "tokens unreadable"])
+def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, how):
+    """A step that raises an Exception (not an interrupt) drops the live requests and the prefix
+    cache, and remakes a KV pool or page table the failed call consumed. The next step re-ran the same plan, which
+    failed again for good: the LLM's own clean-up raised, and every later call found the engine busy
+    ("unfinished requests") or its pool deleted."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    before = engine.stats()
+    failing = _FailingExecutor(engine.executor, how)
+    monkeypatch.setattr(engine, "executor", failing)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        llm.generate([f"{p} again" for p in PROMPTS], params)
+    assert info.value.__context__ is None  # (the clean-up raised nothing of its own)
+    assert not engine.has_unfinished() and engine.scheduler.allocator.num_cached == 0
+    engine.check_invariants()
+    failing.failing = False
+    assert not any(a.is_deleted() for a in jax.tree.leaves(engine.kv_pages))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    after = engine.stats()
+    assert after.num_aborted == before.num_aborted + len(PROMPTS)
+    assert after.prefix_cache_query_tokens > before.prefix_cache_query_tokens  # (the counts carry on)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("where", ["scheduler.step", "scheduler.resolve", "scheduler.update_from_output",
+                                   "Engine._emit"])
+def test_ctrl_c_inside_the_hosts_bookkeeping_drops_the_engines_requests(llm, monkeypatch, where):
+    """Ctrl-C just after the scheduler planned, resolved or applied a step, or while outputs were
+    built: that work is half done and cannot be carried on. The engine dropped a plan it had not
+    seen (the next call raised "step N is outstanding", or "plan N is not the outstanding plan"),
+    lost tokens taken off its list (outputs a token short; a request left live with no sequence,
+    so LLM's clean-up stepped for ever) and LLM's clean-up raised an error of its own in place of
+    the interrupt. Now it drops its requests, as after a failed step, and the interrupt comes out."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    owner, name = where.split(".")
+    target = engine.scheduler if owner == "scheduler" else engine
+    real, calls = getattr(target, name), []
+
+    def interrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        llm.generate(PROMPTS, params)
+    assert info.value.__context__ is None
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("where", ["scheduler.resolve", "Engine._emit"])
+def test_an_engine_stepped_on_after_ctrl_c_never_gives_a_short_output(llm, monkeypatch, where):
+    """Stepping an Engine on after Ctrl-C landed just after it resolved a step's tokens (or while it
+    built outputs) gave outputs a token short, with no error. Now those requests are dropped."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)}
+    owner, name = where.split(".")
+    target = engine.scheduler if owner == "scheduler" else engine
+    real, calls = getattr(target, name), []
+
+    def interrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(target, name, interrupted)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    finals, interrupts = [], 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        try:
+            finals += [o for o in engine.step() if o.finished]
+        except KeyboardInterrupt:
+            interrupts += 1
+            assert not any(engine.is_live(r) for r in ids)
+    monkeypatch.undo()
+    assert interrupts == 1 and not engine.has_unfinished()
+    assert all(o.outputs[0].token_ids == want[tuple(o.prompt_token_ids)] for o in finals)
+    engine.check_invariants()
+
+
+def _run_async(engine, jobs):
+    """Submit (prompt, params) jobs on a new AsyncEngine over `engine`, one after another as each
+    ends; per job its final output or the exception its stream raised; and the engine's health."""
+    async def main():
+        ae = AsyncEngine(engine)
+        results = []
+        try:
+            for prompt, params in jobs:
+                try:
+                    async for out in ae.submit(GenerationRequest(prompt=prompt, sampling_params=params)):
+                        pass
+                    results.append(out)
+                except (EngineStepError, EngineDeadError) as e:
+                    results.append(e)
+            return results, ae.health()
+        finally:
+            ae.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_the_async_engine_ends_a_failed_steps_streams_and_serves_on(llm, monkeypatch):
+    """A failed step took the whole loop down: every stream, and every later request, got
+    EngineDeadError. Now the requests the step held end with EngineStepError and the next one runs."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    monkeypatch.setattr(engine, "executor", _FailingExecutor(engine.executor, "pool consumed", times=1))
+    (first, second), health = _run_async(engine, [(PROMPTS[0], params), (PROMPTS[1], params)])
+    assert isinstance(first, EngineStepError) and "injected" in str(first)
+    assert isinstance(first.__cause__, RuntimeError)
+    assert second.outputs[0].token_ids == want[1] and health.healthy
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+
+
+def test_the_async_engine_dies_when_the_step_after_a_failed_one_fails_too(llm, monkeypatch):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(engine, "executor", _FailingExecutor(engine.executor, "pool consumed"))
+    (first, second), health = _run_async(engine, [(PROMPTS[0], params), (PROMPTS[1], params)])
+    assert isinstance(first, EngineStepError) and isinstance(second, EngineDeadError)
+    assert not health.healthy and "injected" in health.error
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids  # (the engine itself is usable)
