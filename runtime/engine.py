@@ -490,7 +490,7 @@ class Engine:
         return self._emit(partial)
 
     def _drop_all(self) -> None:
-        """After a step raised an Exception (module docstring, Failures): drop every live request
+        """After a step failed (module docstring, Failures): drop every live request
         and whatever step was planned, dispatched or in flight; a KV pool or page table the failed
         call consumed (donated into a program that then failed) is made anew."""
         self.scheduler.reset()
@@ -536,7 +536,7 @@ class Engine:
 
     def _settle(self) -> None:
         """Take in the previous step's tokens, then hand the step just dispatched to the scheduler
-        (its tokens placeholders until the next call). An exception while waiting for the device
+        (its tokens placeholders until the next call). An interrupt while waiting for the device
         leaves both where they were, for the next call to finish."""
         if self._inflight is not None:
             self._resumable = True  # (an interrupt while it waits for the device: the next call waits again)

@@ -14,7 +14,7 @@ CollectorRegistry (no process-global state; tests run several servers in one pro
     xlaserve:prompt_tokens_total                counter
     xlaserve:generation_tokens_total            counter
     xlaserve:request_success_total{finished_reason}   counter  stop | length | abort
-    xlaserve:request_failure_total{reason}      counter  invalid | rejected | unavailable | deadline | ...
+    xlaserve:request_failure_total{reason}      counter  invalid | rejected | unavailable | deadline | error | ...
     xlaserve:num_requests_running               gauge
     xlaserve:num_requests_waiting               gauge
     xlaserve:kv_cache_usage_perc                gauge    0..1, pages referenced by live sequences
