@@ -336,7 +336,7 @@ def validate_cache_salt(cache_salt: object) -> str | None:
 
 def validate_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
     """A new list of the prompt's ids, or ValueError. A list of plain ints is checked in C-speed
-    builtins (~17 us for 512 ids, against ~107 us id by id); anything else id by id."""
+    builtins (~24 us for 512 ids, against ~107 us id by id); anything else id by id."""
     ids = prompt_token_ids
     if type(ids) is list and ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < _MAX_TOKEN_ID:
         return list(ids)
