@@ -11,20 +11,8 @@ import jax
 import pytest
 
 from runtime.async_engine import AsyncEngine, EngineDeadError, EngineStepError, GenerationRequest
-from runtime.llm import LLM, SamplingParams
-from tests.testing.data import shared_data_dir
-
-PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    path = shared_data_dir() / "stories260k" / "stories260K.bin"
-    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,),
-              seq_buckets=(8,), max_model_len=256, strict_compile=True, progress=False)
-    yield llm
-    llm.engine.check_invariants()
-    llm.engine.close()
+from runtime.llm import SamplingParams
+from tests.testing.engine import STORY_PROMPTS as PROMPTS
 
 
 class _Poisoned:
@@ -90,18 +78,8 @@ def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, ho
     engine.check_invariants()
 
 
-@pytest.mark.parametrize("where", ["scheduler.step", "scheduler.resolve", "scheduler.update_from_output",
-                                   "Engine._emit"])
-def test_ctrl_c_inside_the_hosts_bookkeeping_drops_the_engines_requests(llm, monkeypatch, where):
-    """Ctrl-C just after the scheduler planned, resolved or applied a step, or while outputs were
-    built: that work is half done and cannot be carried on. The engine dropped a plan it had not
-    seen (the next call raised "step N is outstanding", or "plan N is not the outstanding plan"),
-    lost tokens taken off its list (outputs a token short; a request left live with no sequence,
-    so LLM's clean-up stepped for ever) and LLM's clean-up raised an error of its own in place of
-    the interrupt. Now it drops its requests, as after a failed step, and the interrupt comes out."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+def _interrupt_the_third_call(monkeypatch, engine, where: str) -> None:
+    """Ctrl-C as the third call of `where` ("scheduler.NAME" or "Engine.NAME") returns."""
     owner, name = where.split(".")
     target = engine.scheduler if owner == "scheduler" else engine
     real, calls = getattr(target, name), []
@@ -114,6 +92,21 @@ def test_ctrl_c_inside_the_hosts_bookkeeping_drops_the_engines_requests(llm, mon
         return out
 
     monkeypatch.setattr(target, name, interrupted)
+
+
+@pytest.mark.parametrize("where", ["scheduler.step", "scheduler.resolve", "scheduler.update_from_output",
+                                   "Engine._emit"])
+def test_ctrl_c_inside_the_hosts_bookkeeping_drops_the_engines_requests(llm, monkeypatch, where):
+    """Ctrl-C just after the scheduler planned, resolved or applied a step, or while outputs were
+    built: that work is half done and cannot be carried on. The engine dropped a plan it had not
+    seen (the next call raised "step N is outstanding", or "plan N is not the outstanding plan"),
+    lost tokens taken off its list (outputs a token short; a request left live with no sequence,
+    so LLM's clean-up stepped for ever) and LLM's clean-up raised an error of its own in place of
+    the interrupt. Now it drops its requests, as after a failed step, and the interrupt comes out."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    _interrupt_the_third_call(monkeypatch, engine, where)
     with pytest.raises(KeyboardInterrupt) as info:
         llm.generate(PROMPTS, params)
     assert info.value.__context__ is None
@@ -130,18 +123,7 @@ def test_an_engine_stepped_on_after_ctrl_c_never_gives_a_short_output(llm, monke
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)}
-    owner, name = where.split(".")
-    target = engine.scheduler if owner == "scheduler" else engine
-    real, calls = getattr(target, name), []
-
-    def interrupted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return out
-
-    monkeypatch.setattr(target, name, interrupted)
+    _interrupt_the_third_call(monkeypatch, engine, where)
     ids = [engine.add_request(p, params) for p in PROMPTS]
     finals, interrupts = [], 0
     for _ in range(200):

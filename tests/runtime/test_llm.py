@@ -12,19 +12,7 @@ import pytest
 
 from runtime.engine import frozen_heap
 from runtime.llm import LLM, RequestOutput, SamplingParams
-from tests.testing.data import shared_data_dir
-
-PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    path = shared_data_dir() / "stories260k" / "stories260K.bin"
-    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,),
-              seq_buckets=(8,), max_model_len=256, strict_compile=True, progress=False)
-    yield llm
-    llm.engine.check_invariants()
-    llm.engine.close()
+from tests.testing.engine import STORY_PROMPTS as PROMPTS
 
 
 def test_prompt_forms_and_text(llm):

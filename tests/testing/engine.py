@@ -15,6 +15,9 @@ from sharding.mesh import MeshConfig
 # have std ~8).
 GAP = 1e-3
 
+# stories260K prompts (tests/runtime/conftest.py's `llm`)
+STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day"]
+
 BASE = dict(
     max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(2, 8), max_model_len=256,
     strict_compile=True, progress=False, dtype="float32",
