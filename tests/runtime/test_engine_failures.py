@@ -13,43 +13,7 @@ import pytest
 from runtime.async_engine import AsyncEngine, EngineDeadError, EngineStepError, GenerationRequest
 from runtime.llm import SamplingParams
 from tests.testing.engine import STORY_PROMPTS as PROMPTS
-
-
-class _Poisoned:
-    """A step's tokens that the device failed to compute: reading them raises."""
-
-    def copy_to_host_async(self):
-        pass
-
-    def __array__(self, *args, **kwargs):
-        raise RuntimeError("injected: the device failed the step")
-
-
-class _FailingExecutor:
-    """The engine's StepExecutor, failing every step while `failing` (or only the first `times`):
-    as a program that cannot run after the KV pool (or the page table) was donated into it, its
-    buffers deleted, or as a step whose tokens cannot be read (the error comes when the host
-    waits for them)."""
-
-    def __init__(self, real, how, times=None):
-        self.real, self.how, self.failing, self.calls, self.times = real, how, True, 0, times
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def __call__(self, params, kv_pages, batch, prev, prev_burst):
-        if not self.failing or self.calls == self.times:  # (times: only the first so many steps fail)
-            return self.real(params, kv_pages, batch, prev, prev_burst)
-        self.calls += 1
-        if self.how == "page table consumed":
-            self.real.page_table.delete()
-            raise RuntimeError("injected: the page table update failed after taking the table")
-        if self.how == "pool consumed" or isinstance(prev, _Poisoned):
-            for a in jax.tree.leaves(kv_pages):
-                a.delete()
-            raise RuntimeError("injected: the program failed after taking the KV pool")
-        tokens, last, logprobs, kv_pages = self.real(params, kv_pages, batch, prev, prev_burst)
-        return _Poisoned(), last, logprobs, kv_pages
+from tests.testing.engine import FailingExecutor
 
 
 @pytest.mark.parametrize("how", ["pool consumed", "page table consumed", "tokens unreadable"])
@@ -62,7 +26,7 @@ def test_a_step_that_fails_every_time_leaves_the_llm_usable(llm, monkeypatch, ho
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     before = engine.stats()
-    failing = _FailingExecutor(engine.executor, how)
+    failing = FailingExecutor(engine.executor, how)
     monkeypatch.setattr(engine, "executor", failing)
     with pytest.raises(RuntimeError, match="injected") as info:
         llm.generate([f"{p} again" for p in PROMPTS], params)
@@ -167,7 +131,7 @@ def test_the_async_engine_ends_a_failed_steps_streams_and_serves_on(llm, monkeyp
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
-    monkeypatch.setattr(engine, "executor", _FailingExecutor(engine.executor, "pool consumed", times=1))
+    monkeypatch.setattr(engine, "executor", FailingExecutor(engine.executor, "pool consumed", times=1))
     (first, second), health = _run_async(engine, [(PROMPTS[0], params), (PROMPTS[1], params)])
     assert isinstance(first, EngineStepError) and "injected" in str(first)
     assert isinstance(first.__cause__, RuntimeError)
@@ -180,7 +144,7 @@ def test_the_async_engine_ends_a_failed_steps_streams_and_serves_on(llm, monkeyp
 def test_the_async_engine_dies_when_the_step_after_a_failed_one_fails_too(llm, monkeypatch):
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    monkeypatch.setattr(engine, "executor", _FailingExecutor(engine.executor, "pool consumed"))
+    monkeypatch.setattr(engine, "executor", FailingExecutor(engine.executor, "pool consumed"))
     (first, second), health = _run_async(engine, [(PROMPTS[0], params), (PROMPTS[1], params)])
     assert isinstance(first, EngineStepError) and isinstance(second, EngineDeadError)
     assert not health.healthy and "injected" in health.error

@@ -21,7 +21,7 @@ from runtime.replicas import ReplicatedEngine, make_engine
 from runtime.request import SamplingParams
 from sharding.mesh import MeshConfig
 from tests.testing.data import shared_data_dir
-from tests.testing.engine import BASE, check_idle, run_one
+from tests.testing.engine import BASE, FailingExecutor, check_idle, run_one
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 
@@ -166,18 +166,7 @@ def test_a_replica_whose_step_fails_drops_only_its_own_requests(engine2, monkeyp
     b = engine2.add_request([8, 9, 10, 11], params)
     r1 = engine2.replicas[1]
     assert engine2._where[b] is r1
-    real = r1.executor
-
-    class Failing:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def __call__(self, params, kv_pages, *rest):
-            for x in jax.tree.leaves(kv_pages):
-                x.delete()
-            raise RuntimeError("injected")
-
-    monkeypatch.setattr(r1, "executor", Failing())
+    monkeypatch.setattr(r1, "executor", FailingExecutor(r1.executor, "pool consumed"))
     with pytest.raises(RuntimeError, match="injected"):
         engine2.step()
     monkeypatch.undo()
@@ -199,21 +188,7 @@ def test_the_async_engine_over_replicas_after_a_failed_step_and_after_its_loop_d
     the same id was refused ("already live")."""
     from runtime.async_engine import EngineDeadError, EngineStepError
 
-    real, calls = engine2.replicas[1].executor, []
-
-    class FailsOnce:
-        def __init__(self, error):
-            self.error = error
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def __call__(self, *args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise self.error
-            return real(*args)
-
+    real = engine2.replicas[1].executor
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def run(ids):
@@ -237,8 +212,7 @@ def test_the_async_engine_over_replicas_after_a_failed_step_and_after_its_loop_d
     want = ["length", "length"]
     for error, results in ((RuntimeError("injected"), ["length", "EngineStepError"]),
                            (KeyboardInterrupt(), ["EngineDeadError", "EngineDeadError"])):
-        calls.clear()
-        monkeypatch.setattr(engine2.replicas[1], "executor", FailsOnce(error))
+        monkeypatch.setattr(engine2.replicas[1], "executor", FailingExecutor(real, "raise", times=1, error=error))
         assert asyncio.run(run(["x0", "x1"])) == results
         monkeypatch.undo()
         assert not engine2.has_unfinished() and not engine2._where

@@ -139,21 +139,12 @@ def test_a_failed_step_is_a_500_and_the_server_serves_on(engine, monkeypatch):
     """A step that raised took the engine loop down, and the server with it (every later request
     a 503). Now the requests in that step get a 500 (code step_failed), counted as failures of
     reason "error", and the next request runs."""
-    real, calls = engine.executor, []
-
-    class FailOnce:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def __call__(self, *args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("injected")
-            return real(*args)
+    from tests.testing.engine import FailingExecutor
 
     s = LiveServer(engine).start()
     try:
-        monkeypatch.setattr(engine, "executor", FailOnce())
+        monkeypatch.setattr(engine, "executor",
+                            FailingExecutor(engine.executor, "raise", times=1, error=RuntimeError("injected")))
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
         r = httpx.post(s.base_url + "/completions", json=body, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["code"] == "step_failed"

@@ -4,6 +4,7 @@ and a spy on the programs the executor runs."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from runtime.request import SamplingParams
@@ -104,3 +105,44 @@ def first_near_tie(completion) -> int:
         if top[0] - top[1] < GAP:
             return j
     return len(completion.token_ids)
+
+
+class _Poisoned:
+    """A step's tokens that the device failed to compute: reading them raises."""
+
+    def copy_to_host_async(self):
+        pass
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("injected: the device failed the step")
+
+
+class FailingExecutor:
+    """An engine's StepExecutor (`real`), failing every step while `failing` (or only the first
+    `times`): `how` "raise" raises `error` before anything runs; "pool consumed" and "page table
+    consumed" raise after deleting those buffers, as a program that failed after they were donated
+    into it; "tokens unreadable" runs the step and returns tokens whose read raises (the error comes
+    when the host waits for them)."""
+
+    def __init__(self, real, how, times=None, error=None):
+        self.real, self.how, self.failing, self.calls, self.times = real, how, True, 0, times
+        self.error = error
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, params, kv_pages, batch, prev, prev_burst):
+        if not self.failing or self.calls == self.times:  # (times: only the first so many steps fail)
+            return self.real(params, kv_pages, batch, prev, prev_burst)
+        self.calls += 1
+        if self.how == "raise":
+            raise self.error
+        if self.how == "page table consumed":
+            self.real.page_table.delete()
+            raise RuntimeError("injected: the page table update failed after taking the table")
+        if self.how == "pool consumed" or isinstance(prev, _Poisoned):
+            for a in jax.tree.leaves(kv_pages):
+                a.delete()
+            raise RuntimeError("injected: the program failed after taking the KV pool")
+        tokens, last, logprobs, kv_pages = self.real(params, kv_pages, batch, prev, prev_burst)
+        return _Poisoned(), last, logprobs, kv_pages
